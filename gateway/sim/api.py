@@ -1,0 +1,223 @@
+"""OpenAI request validation and response shapes, as vLLM's OpenAI server produces them.
+
+Pure functions: they turn a parsed JSON body into a :class:`Plan` or an :class:`ApiError`, and render chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+# Output text: a fixed cycle of words; the simulator's tokens carry no meaning, only their count matters.
+_WORDS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", ".")
+
+BUSY_MESSAGE = "The engine is currently busy and cannot accept new requests. Please retry later."
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
+class ApiError(Exception):
+    """An error with vLLM's body ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        }
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.payload())
+
+
+def busy_error() -> ApiError:
+    return ApiError(503, BUSY_MESSAGE, "Service Unavailable")
+
+
+def engine_dead_error() -> ApiError:
+    return ApiError(500, ENGINE_DEAD_MESSAGE, "InternalServerError")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated generation request."""
+
+    kind: str  # "completion" or "chat"
+    prompt_len: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+def token_text(index: int) -> str:
+    return _WORDS[(index - 1) % len(_WORDS)]
+
+
+def plan_request(
+    kind: str,
+    body: Mapping[str, Any],
+    *,
+    served_model: str,
+    max_model_len: int,
+    count_text: Callable[[str], int],
+    count_messages: Callable[[list[dict[str, Any]]], int],
+) -> Plan:
+    """Validate like vLLM: unknown model is 404, a prompt plus max_tokens over max_model_len is 400."""
+    model = body.get("model", served_model)
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", "BadRequestError", "messages")
+        prompt_len = count_messages(messages)
+    else:
+        prompt_len = _count_prompt(body.get("prompt"), count_text)
+    if int(body.get("n", 1)) != 1:
+        raise ApiError(400, "n > 1 is not supported by the simulator", "BadRequestError", "n")
+    raw_max = body.get("max_completion_tokens", body.get("max_tokens"))
+    if prompt_len >= max_model_len and raw_max is None:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+            "BadRequestError",
+        )
+    if raw_max is None:
+        max_tokens = max_model_len - prompt_len
+    else:
+        if not isinstance(raw_max, int) or isinstance(raw_max, bool) or raw_max < 1:
+            raise ApiError(400, "max_tokens must be at least 1", "BadRequestError", "max_tokens")
+        max_tokens = raw_max
+        if prompt_len + max_tokens > max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.",
+                "BadRequestError",
+            )
+    stream = bool(body.get("stream", False))
+    options = body.get("stream_options") or {}
+    include_usage = bool(stream and isinstance(options, Mapping) and options.get("include_usage"))
+    return Plan(kind, prompt_len, max_tokens, stream, include_usage, served_model)
+
+
+def _count_prompt(prompt: Any, count_text: Callable[[str], int]) -> int:
+    if isinstance(prompt, str):
+        n = count_text(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        n = len(prompt)
+    elif isinstance(prompt, list) and len(prompt) == 1:
+        return _count_prompt(prompt[0], count_text)
+    else:
+        raise ApiError(400, "prompt must be a string or a list of token ids", "BadRequestError", "prompt")
+    if n < 1:
+        raise ApiError(400, "The prompt cannot be empty.", "BadRequestError", "prompt")
+    return n
+
+
+class Renderer:
+    """Builds one request's response objects (ids and timestamps fixed at creation)."""
+
+    def __init__(self, plan: Plan, request_id: str) -> None:
+        self.plan = plan
+        self.id = request_id
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if plan.kind == "chat" else "text_completion"
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        p = self.plan.prompt_len
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": completion_tokens,
+            "total_tokens": p + completion_tokens,
+        }
+
+    def chunk(self, index: int, finish_reason: str | None) -> bytes:
+        """One SSE event carrying output token ``index``."""
+        text = token_text(index)
+        if self.plan.kind == "chat":
+            delta: dict[str, Any] = {"content": text}
+            if index == 1:
+                delta = {"role": "assistant", "content": text}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+            }
+        obj = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.plan.model,
+            "choices": [choice],
+        }
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def usage_chunk(self, completion_tokens: int) -> bytes:
+        obj = {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.plan.model,
+            "choices": [],
+            "usage": self.usage(completion_tokens),
+        }
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def full(self, completion_tokens: int, finish_reason: str) -> bytes:
+        text = "".join(token_text(i) for i in range(1, completion_tokens + 1))
+        if self.plan.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+            }
+            obj_type = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+            }
+            obj_type = "text_completion"
+        return orjson.dumps(
+            {
+                "id": self.id,
+                "object": obj_type,
+                "created": self.created,
+                "model": self.plan.model,
+                "choices": [choice],
+                "usage": self.usage(completion_tokens),
+            }
+        )
+
+
+def sse_error(err: ApiError) -> bytes:
+    return b"data: " + err.body() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,355 @@
+"""The HTTP shell: an aiohttp app and an asyncio loop that steps the engine in (scaled) real time.
+
+Each step is planned by the engine, slept for ``duration * time_scale`` real seconds, then completed; tokens
+are handed to the waiting handlers. The engine clock is real time divided by ``time_scale``, so every
+latency the simulator reports (histograms, logs) is in simulated seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gateway.sim.api import (
+    DONE,
+    ApiError,
+    Plan,
+    Renderer,
+    busy_error,
+    engine_dead_error,
+    plan_request,
+    sse_error,
+)
+from gateway.sim.blocks import blocks_for
+from gateway.sim.config import GIB, SimConfig
+from gateway.sim.engine import Engine, SimRequest, Step, TokenEvent
+from gateway.sim.metrics import SimMetrics
+from gateway.tokenizer import LocalTokenizer
+
+log = logging.getLogger("kvgate.sim")
+
+OomMode = Literal["exit", "restart"]
+
+
+@dataclass
+class Channel:
+    """Where the engine loop leaves a request's progress for its handler."""
+
+    produced: int = 0
+    finished: bool = False
+    error: ApiError | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class _Supervisor(Collector):
+    """Counts OOM crashes across engine restarts (what a process supervisor would see)."""
+
+    def __init__(self) -> None:
+        self.ooms = 0
+        self.restarts = 0
+        self.created = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        oom = CounterMetricFamily(
+            "kvgate_sim_oom_crashes", "Simulated CUDA OOM crashes since the simulator started."
+        )
+        oom.add_metric([], self.ooms, created=self.created)
+        yield oom
+        rs = CounterMetricFamily("kvgate_sim_engine_restarts", "Engine restarts after an OOM.")
+        rs.add_metric([], self.restarts, created=self.created)
+        yield rs
+
+
+class SimServer:
+    """Owns the engine incarnation, the request channels and the step loop."""
+
+    def __init__(
+        self,
+        cfg: SimConfig,
+        tokenizer: LocalTokenizer,
+        *,
+        time_scale: float = 1.0,
+        oom_mode: OomMode = "restart",
+        restart_delay_s: float = 60.0,
+        legacy_gpu_cache_metric: bool = False,
+    ) -> None:
+        min_blocks = blocks_for(cfg.max_model_len, cfg.block_size) + 1
+        if cfg.num_gpu_blocks < min_blocks:
+            raise ValueError(
+                f"To serve at least one request with the model's max seq len ({cfg.max_model_len}), "
+                f"{min_blocks} KV blocks are needed; num_gpu_blocks is {cfg.num_gpu_blocks}"
+            )
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.time_scale = time_scale
+        self.oom_mode = oom_mode
+        self.restart_delay_s = restart_delay_s
+        self.legacy = legacy_gpu_cache_metric
+        self.supervisor = _Supervisor()
+        self.state: Literal["ready", "restarting", "dead"] = "ready"
+        self.exit_code = 0
+        self.shutdown = asyncio.Event()
+        self.wake = asyncio.Event()
+        self.channels: dict[str, Channel] = {}
+        self._ids = itertools.count()
+        self._t0 = time.monotonic()
+        self._fresh_engine()
+
+    def _fresh_engine(self) -> None:
+        self.engine = Engine(self.cfg)
+        self.metrics = SimMetrics(
+            self.cfg, self.engine, legacy_gpu_cache_metric=self.legacy, supervisor=[self.supervisor]
+        )
+
+    def now(self) -> float:
+        return (time.monotonic() - self._t0) / self.time_scale
+
+    # -- the step loop ---------------------------------------------------------------------------------
+    async def run_engine(self) -> None:
+        while not self.shutdown.is_set():
+            if self.state != "ready" or not self.engine.has_work():
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            started = time.monotonic()
+            step = self.engine.schedule(self.now())
+            if step.oom:
+                await self._oom(step)
+                continue
+            if not step.scheduled:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            spent = time.monotonic() - started
+            await asyncio.sleep(max(0.0, step.duration * self.time_scale - spent))
+            self._dispatch(self.engine.complete(step, self.now()))
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            if ev.index == 1:
+                self.metrics.observe_first_token(ev.request)
+            if ev.finished:
+                self.metrics.observe_finished(ev.request)
+            ch = self.channels.get(ev.request.request_id)
+            if ch is not None:
+                ch.produced = ev.index
+                ch.finished = ev.finished
+                ch.wake.set()
+
+    async def _oom(self, step: Step) -> None:
+        cfg = self.cfg
+        self.supervisor.ooms += 1
+        free_mib = (
+            max(
+                0.0,
+                cfg.card_bytes
+                - (step.memory_bytes - step.prefill_tokens * cfg.activation_bytes_per_prefill_token),
+            )
+            / 2**20
+        )
+        log.error(
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate %.2f GiB. "
+            "GPU 0 has a total capacity of %.2f GiB of which %.2f MiB is free. "
+            "[sim: step of %d sequences, %d prefill tokens, KV usage %.4f, "
+            "step memory %.2f GiB > %.2f GiB; oom #%d]",
+            step.prefill_tokens * cfg.activation_bytes_per_prefill_token / GIB,
+            cfg.card_bytes / GIB,
+            free_mib,
+            len(step.scheduled),
+            step.prefill_tokens,
+            self.engine.usage(),
+            step.memory_bytes / GIB,
+            cfg.card_bytes / GIB,
+            self.supervisor.ooms,
+        )
+        for req in self.engine.fail_all(self.now()):
+            ch = self.channels.get(req.request_id)
+            if ch is not None:
+                ch.error = engine_dead_error()
+                ch.wake.set()
+        if self.oom_mode == "exit":
+            log.error("EngineCore died (simulated CUDA OOM); exiting with status 1")
+            self.state = "dead"
+            self.exit_code = 1
+            await asyncio.sleep(0.05)  # let handlers send their 500s
+            self.shutdown.set()
+            return
+        self.state = "restarting"
+        log.error("engine restarting in %.1f simulated seconds", self.restart_delay_s)
+        await asyncio.sleep(self.restart_delay_s * self.time_scale)
+        self._fresh_engine()
+        self.supervisor.restarts += 1
+        self.state = "ready"
+        log.warning("engine restarted after OOM #%d", self.supervisor.ooms)
+
+    # -- HTTP ------------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.router.add_get("/version", self.version)
+        return app
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.Response(status=200 if self.state == "ready" else 503)
+
+    async def version(self, _: web.Request) -> web.Response:
+        return web.json_response({"version": "0.32.0+kvgate-sim"})
+
+    async def metrics_endpoint(self, _: web.Request) -> web.Response:
+        if self.state != "ready":
+            return web.Response(status=503, text="engine is not running\n")
+        return web.Response(
+            body=self.metrics.render(),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Version": "0.0.4"},
+        )
+
+    async def models(self, _: web.Request) -> web.Response:
+        name = self.cfg.served_model_name
+        card = {
+            "id": name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.cfg.max_model_len,
+            "permission": [{"id": "modelperm-sim", "object": "model_permission", "allow_sampling": True}],
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        if isinstance(body, ApiError):
+            return _error(body)
+        if "messages" in body:
+            n = self.tokenizer.count_messages(body["messages"])
+            tokens: list[int] = list(range(n))
+        elif isinstance(body.get("prompt"), str):
+            tokens = self.tokenizer.encode(body["prompt"])
+        else:
+            return _error(ApiError(400, "prompt or messages is required", "BadRequestError"))
+        return web.json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": self.cfg.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        body = await _json(request)
+        if isinstance(body, ApiError):
+            return _error(body)
+        try:
+            plan = plan_request(
+                kind,
+                body,
+                served_model=self.cfg.served_model_name,
+                max_model_len=self.cfg.max_model_len,
+                count_text=self.tokenizer.count,
+                count_messages=self.tokenizer.count_messages,
+            )
+        except ApiError as err:
+            return _error(err)
+        if self.state != "ready":
+            return _error(engine_dead_error())
+        limit = self.cfg.max_num_queued_reqs
+        if limit is not None and len(self.engine.waiting) >= limit:
+            self.metrics.rejections["max_num_queued_reqs"] += 1
+            return await self._reject_busy(request, plan)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        request_id = f"{prefix}-sim{next(self._ids):08x}"
+        ch = Channel()
+        self.channels[request_id] = ch
+        self.engine.add(SimRequest(request_id, plan.prompt_len, plan.max_tokens, self.now()))
+        self.wake.set()
+        renderer = Renderer(plan, request_id)
+        try:
+            if plan.stream:
+                return await self._stream(request, plan, renderer, ch)
+            while not (ch.finished or ch.error):
+                ch.wake.clear()
+                await ch.wake.wait()
+            if ch.error is not None:
+                return _error(ch.error)
+            return web.Response(body=renderer.full(ch.produced, "length"), content_type="application/json")
+        finally:
+            self.channels.pop(request_id, None)
+            if not ch.finished and ch.error is None:
+                self.engine.abort(request_id, self.now())
+
+    async def _stream(
+        self, request: web.Request, plan: Plan, renderer: Renderer, ch: Channel
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        sent = 0
+        while True:
+            if ch.produced == sent and not ch.finished and ch.error is None:
+                ch.wake.clear()
+                await ch.wake.wait()
+            parts = [
+                renderer.chunk(i, "length" if ch.finished and i == ch.produced else None)
+                for i in range(sent + 1, ch.produced + 1)
+            ]
+            sent = ch.produced
+            if ch.error is not None:
+                parts.append(sse_error(ch.error))
+            elif ch.finished and plan.include_usage:
+                parts.append(renderer.usage_chunk(sent))
+            if ch.error is not None or ch.finished:
+                parts.append(DONE)
+            await resp.write(b"".join(parts))
+            if ch.error is not None or ch.finished:
+                break
+        await resp.write_eof()
+        return resp
+
+    async def _reject_busy(self, request: web.Request, plan: Plan) -> web.StreamResponse:
+        """vLLM's --max-num-queued-reqs: plain 503, or for streams HTTP 200 with one SSE error event."""
+        err = busy_error()
+        if not plan.stream:
+            return _error(err)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        await resp.write(sse_error(err) + DONE)
+        await resp.write_eof()
+        return resp
+
+
+async def _json(request: web.Request) -> dict[str, Any] | ApiError:
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        return ApiError(400, f"invalid JSON body: {exc}", "BadRequestError")
+    if not isinstance(body, dict):
+        return ApiError(400, "the request body must be a JSON object", "BadRequestError")
+    return body
+
+
+def _error(err: ApiError) -> web.Response:
+    return web.Response(status=err.status, body=err.body(), content_type="application/json")
