@@ -1,0 +1,180 @@
+"""Admission: admit, queue or reject a request by its KV-block cost. Pure: time comes in as ``now``.
+
+Projected usage, in blocks, is what the engine may hold if we admit this request:
+
+* ``A`` = the last sample + the ledger's outstanding blocks (requests admitted since that sample, and the
+  output that in-flight requests may still grow into) + this request;
+* when the gateway is the engine's only client (``exclusive_upstream``), also ``B`` = every block the ledger
+  has reserved + this request, a hard upper bound that, unlike ``A``, drops the moment a request ends.
+
+A request is admitted when the gate is open and ``min(A, B) <= high x total``. So neither a burst that lands
+between two scrapes nor decode growth can push real usage past the high watermark. With stale metrics the
+``ledger`` policy admits against ``B`` alone under a lower cap; ``hold`` admits nothing. Either way a queued
+request leaves by its deadline, so nothing waits forever.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.config import AdmissionConfig
+from gateway.cost import KvGeometry, RequestCost
+from gateway.gate import HysteresisGate
+from gateway.ledger import Ledger, Reservation
+from gateway.queue import AdmissionQueue, Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class UsageSample:
+    """One scrape of the engine, already aggregated over data-parallel engines."""
+
+    usage: float
+    taken_at: float
+    geometry: KvGeometry | None = None
+    running: float = 0.0
+    waiting: float = 0.0
+    preemptions: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    reservation: Reservation
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    ticket: Ticket
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    reason: Literal["queue_full", "no_capacity_info"]
+    retry_after_s: float
+
+
+Decision = Admitted | Queued | Rejected
+
+
+class DrainRate:
+    """Requests finished per second over a sliding window: the basis of Retry-After and queue ETAs."""
+
+    def __init__(self, window_s: float = 30.0) -> None:
+        self.window_s = window_s
+        self._events: deque[float] = deque()
+
+    def record(self, now: float) -> None:
+        self._events.append(now)
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0] < now - self.window_s:
+            self._events.popleft()
+
+    def per_second(self, now: float) -> float:
+        self._trim(now)
+        if len(self._events) < 2:
+            return 0.0
+        span = max(now - self._events[0], 1e-3)
+        return len(self._events) / span
+
+
+class AdmissionController:
+    def __init__(self, config: AdmissionConfig, geometry: KvGeometry | None = None) -> None:
+        self.config = config
+        self.gate = HysteresisGate(config.high_watermark, config.low_watermark)
+        self.queue = AdmissionQueue(config.queue_max_length)
+        self.geometry = geometry
+        self.ledger = Ledger(geometry.block_size if geometry else 16)
+        self.sample: UsageSample | None = None
+        self.drain = DrainRate()
+        self._geometry_pinned = geometry is not None
+
+    # --- telemetry in -------------------------------------------------------------------------------
+
+    def begin_sample(self) -> None:
+        self.ledger.begin_sample()
+
+    def apply_sample(self, sample: UsageSample) -> None:
+        if sample.geometry is not None and not self._geometry_pinned:
+            self.geometry = sample.geometry
+            self.ledger.set_block_size(sample.geometry.block_size)
+        self.sample = sample
+        self.ledger.commit_sample()
+        self.gate.observe(sample.usage)
+
+    def is_stale(self, now: float) -> bool:
+        return self.sample is None or now - self.sample.taken_at > self.config.stale_after_s
+
+    # --- the decision -------------------------------------------------------------------------------
+
+    def projected_blocks(self, extra_blocks: int, now: float) -> int | None:
+        """Blocks the engine may hold if ``extra_blocks`` more are admitted; None if unknowable."""
+        if self.geometry is None:
+            return None
+        bound = self.ledger.reserved_blocks + extra_blocks
+        if self.is_stale(now):
+            return bound if self.config.stale_policy == "ledger" else None
+        assert self.sample is not None
+        observed = round(self.sample.usage * self.geometry.num_blocks)
+        projected = observed + self.ledger.outstanding_blocks + extra_blocks
+        return min(projected, bound) if self.config.exclusive_upstream else projected
+
+    def fits(self, blocks: int, now: float) -> bool:
+        projected = self.projected_blocks(blocks, now)
+        if projected is None or self.geometry is None:
+            return False
+        if self.is_stale(now):
+            return projected <= self.config.stale_ledger_cap * self.geometry.num_blocks
+        return self.gate.is_open and projected <= self.config.high_watermark * self.geometry.num_blocks
+
+    def projected_usage(self, now: float) -> float | None:
+        projected = self.projected_blocks(0, now)
+        if projected is None or self.geometry is None:
+            return None
+        return projected / self.geometry.num_blocks
+
+    # --- requests -----------------------------------------------------------------------------------
+
+    def submit(self, cost: RequestCost, tenant: str, now: float, max_wait_s: float | None = None) -> Decision:
+        """Admit now if nobody is waiting and it fits; otherwise queue, or reject when the queue is full."""
+        if not self.queue and self.fits(cost.blocks, now):
+            return Admitted(self.ledger.reserve(cost, tenant, now))
+        wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
+        ticket = Ticket(cost, tenant, enqueued_at=now, deadline=now + wait)
+        if not self.queue.push(ticket):
+            return Rejected("queue_full", self.retry_after(len(self.queue) + 1, now))
+        return Queued(ticket)
+
+    def pump(self, now: float) -> list[tuple[Ticket, Reservation]]:
+        """Admit from the head of the queue while the head fits."""
+        admitted = []
+        while (head := self.queue.peek()) is not None and self.fits(head.cost.blocks, now):
+            self.queue.pop()
+            admitted.append((head, self.ledger.reserve(head.cost, head.tenant, now)))
+        return admitted
+
+    def expire(self, now: float) -> list[Ticket]:
+        return self.queue.expired(now)
+
+    def cancel(self, ticket: Ticket) -> bool:
+        return self.queue.remove(ticket)
+
+    def progress(self, res: Reservation, generated: int, now: float) -> None:
+        self.ledger.progress(res, generated, now)
+
+    def release(self, res: Reservation, now: float) -> bool:
+        released = self.ledger.release(res)
+        if released:
+            self.drain.record(now)
+        return released
+
+    # --- telling clients when to come back ----------------------------------------------------------
+
+    def retry_after(self, position: int, now: float) -> float:
+        """Seconds until ``position`` requests ahead have drained, from the observed finish rate."""
+        rate = self.drain.per_second(now)
+        if rate <= 0:
+            return min(self.config.queue_max_wait_s, 5.0)
+        return min(max(position / rate, 1.0), 60.0)

@@ -1,0 +1,275 @@
+"""The ASGI application: routes each request to the proxy path or the gateway's own endpoints.
+
+The proxy path is plain ASGI (no Starlette middleware, no per-request framework objects): it is the hot
+path, and it must see client disconnects the moment they happen. ``/healthz``, ``/readyz`` and ``/metrics``
+are a small FastAPI app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from gateway.admission import AdmissionController
+from gateway.admitter import Admitter
+from gateway.auth import TenantDirectory
+from gateway.config import GatewayConfig
+from gateway.cost import KvGeometry, RequestCost, estimate_cost
+from gateway.counting import TokenCounter, build_counter
+from gateway.errors import GatewayError, shutting_down
+from gateway.forward import Forwarder, ResponseWriter
+from gateway.metrics import GatewayMetrics
+from gateway.parse import Endpoint, InferenceRequest
+from gateway.proxy import handle_inference, handle_passthrough
+from gateway.ratelimit import RateDecision, RateLimiter, ratelimit_headers
+from gateway.scraper import Scraper
+from gateway.tokenizer import HeuristicTokenizer
+
+log = logging.getLogger("kvgate")
+
+INFERENCE_PATHS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+CONTROL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+class Gateway:
+    """All the parts of one gateway, wired together; an ASGI application."""
+
+    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.clock = clock
+        self.metrics = GatewayMetrics()
+        m = config.model
+        override = KvGeometry(m.block_size, m.num_gpu_blocks) if m.block_size and m.num_gpu_blocks else None
+        self.controller = AdmissionController(config.admission, override)
+        self.admitter = Admitter(self.controller, self.metrics, clock)
+        self.tenants = TenantDirectory(config.auth, config.tenants)
+        self.limiter = RateLimiter(config.tenants)
+        self.session: aiohttp.ClientSession | None = None
+        self.forwarder: Forwarder
+        self.scraper: Scraper
+        self.counter = TokenCounter(HeuristicTokenizer())
+        self.draining = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._control = self._control_app()
+
+    # --- the steps the request path calls ------------------------------------------------------------
+
+    async def estimate_cost(self, request: InferenceRequest) -> RequestCost:
+        geometry = self.controller.geometry
+        if geometry is None:
+            raise GatewayError(
+                503,
+                "The gateway does not know the engine's KV-cache size yet "
+                "(no vllm:cache_config_info scraped).",
+                type="service_unavailable",
+                code="upstream_not_ready",
+                retry_after_s=1.0,
+            )
+        prompt_tokens = await self.counter.count(request)
+        return estimate_cost(
+            prompt_tokens,
+            max_tokens=request.max_tokens,
+            sequences_per_prompt=request.sequences_per_prompt,
+            max_model_len=self.config.model.max_model_len or self.scraper.model.max_model_len,
+            geometry=geometry,
+            high_watermark=self.config.admission.high_watermark,
+        )
+
+    def check_rate_limit(self, tenant: str, cost: RequestCost) -> RateDecision:
+        decision = self.limiter.check(tenant, cost.total_tokens, self.clock())
+        if not decision.allowed:
+            self.metrics.rejected.labels("rate_limited").inc()
+            raise GatewayError(
+                429,
+                f"Rate limit reached for tenant '{tenant}' on {decision.exceeded} per minute.",
+                type="requests" if decision.exceeded == "requests" else "tokens",
+                code="rate_limit_exceeded",
+                retry_after_s=decision.retry_after_s if decision.retry_after_s != float("inf") else 60.0,
+                extra_headers=ratelimit_headers(decision),
+            )
+        return decision
+
+    # --- ASGI ---------------------------------------------------------------------------------------
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path in CONTROL_PATHS:
+            await self._control(scope, receive, send)
+            return
+        request_id = _request_id(scope["headers"])
+        writer = ResponseWriter(send)
+        endpoint = INFERENCE_PATHS.get(path) if scope["method"] == "POST" else None
+        task = asyncio.current_task()
+        assert task is not None
+        watch: asyncio.Task[None] | None = None
+        try:
+            if self.draining:
+                raise shutting_down(1.0)
+            if endpoint is None:
+                await handle_passthrough(self, scope, receive, writer, request_id)
+            else:
+                watch = asyncio.create_task(self._watch_disconnect(receive, writer, task))
+                await handle_inference(self, endpoint, scope, receive, writer, request_id)
+        except GatewayError as exc:
+            if exc.code not in (None, "queue_full", "queue_timeout", "rate_limit_exceeded"):
+                self.metrics.rejected.labels(exc.code or "error").inc()
+            if not writer.started:
+                await writer.error(exc, [(b"x-request-id", request_id.encode())])
+            else:
+                log.warning("request %s failed after the response started: %s", request_id, exc.message)
+        except asyncio.CancelledError:
+            if watch is None or not watch.done():
+                raise  # not a disconnect: the server itself is cancelling us
+            task.uncancel()
+            self.metrics.client_disconnects.labels("streaming" if writer.started else "waiting").inc()
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch_disconnect(self, receive: Any, writer: ResponseWriter, task: asyncio.Task[None]) -> None:
+        """Cancel the request's task when its client goes away, so the upstream call is dropped too.
+
+        Only started once the proxy path has read the body, so every message here is the disconnect."""
+        await asyncio.sleep(0)  # let the handler read the body first
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not writer.finished:
+                    task.cancel()
+                return
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        cfg = self.config
+        connector = aiohttp.TCPConnector(limit=cfg.upstream.max_connections, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self.forwarder = Forwarder(
+            cfg.upstream.url,
+            self.session,
+            self.metrics,
+            timeout_s=cfg.upstream.timeout_s,
+            connect_timeout_s=cfg.upstream.connect_timeout_s,
+            api_key=cfg.upstream.api_key,
+        )
+        self.scraper = Scraper(
+            cfg.upstream.url,
+            self.session,
+            self.admitter,
+            self.metrics,
+            interval_s=cfg.telemetry.scrape_interval_s,
+            timeout_s=cfg.telemetry.scrape_timeout_s,
+            geometry_override=self.controller.geometry,
+            clock=self.clock,
+        )
+        await self.scraper.scrape_once()
+        await self._resolve_tokenizer()
+        self._tasks.append(asyncio.create_task(self.scraper.run(), name="kvgate-scraper"))
+
+    async def _resolve_tokenizer(self) -> None:
+        assert self.session is not None
+        self.counter = await build_counter(
+            self.config.tokenizer,
+            session=self.session,
+            upstream=self.config.upstream.url,
+            model_root=self.scraper.model.root,
+            offload_chars=self.config.limits.offload_tokenize_chars,
+        )
+        log.info("counting prompt tokens with %s", self.counter.name)
+
+    def begin_drain(self) -> None:
+        """SIGTERM: report not-ready, refuse new requests, answer queued ones with 503 + Retry-After."""
+        if self.draining:
+            return
+        self.draining = True
+        self.metrics.ready.set(0)
+        self.admitter.fail_all_queued(shutting_down)
+        log.info("draining: %d request(s) in flight", len(self.controller.ledger))
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.session is not None:
+            await self.session.close()
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    raise
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- the gateway's own endpoints ----------------------------------------------------------------
+
+    def is_ready(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining"
+        if self.controller.geometry is None:
+            return False, "KV-cache geometry unknown (no vllm:cache_config_info yet)"
+        if self.controller.is_stale(self.clock()):
+            return False, f"upstream metrics stale ({self.scraper.last_error or 'no sample yet'})"
+        return True, "ok"
+
+    def _control_app(self) -> FastAPI:
+        app = FastAPI(title="kvgate", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.get("/healthz")
+        async def healthz() -> dict[str, str]:
+            return {"status": "alive"}
+
+        @app.get("/readyz")
+        async def readyz() -> JSONResponse:
+            ready, reason = self.is_ready()
+            self.metrics.ready.set(1 if ready else 0)
+            c = self.controller
+            body = {
+                "ready": ready,
+                "reason": reason,
+                "gate_open": c.gate.is_open,
+                "kv_usage": c.sample.usage if c.sample else None,
+                "metrics_age_s": None if self.scraper.last_success is None else round(self.scraper.age(), 3),
+                "queue_depth": len(c.queue),
+                "inflight": len(c.ledger),
+                "tokenizer": self.counter.name,
+            }
+            return JSONResponse(body, status_code=200 if ready else 503)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            self.admitter.refresh_gauges()
+            self.metrics.metrics_age.set(min(self.scraper.age(), 1e9))
+            return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        return app
+
+
+def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
+    for key, value in headers:
+        if key == b"x-request-id" and value:
+            return value.decode("latin-1")[:128]
+    return os.urandom(8).hex()

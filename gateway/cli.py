@@ -1,0 +1,61 @@
+"""The ``kvgate`` command: ``serve``, ``validate`` and ``sim``.
+
+Each subcommand lives in its own module and is imported lazily, so ``kvgate validate`` does not pay for
+importing the server stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.serve import run
+
+    return run(args)
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from gateway.config import validate_file
+
+    return validate_file(args.file)
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from gateway.sim.cli import run
+
+    return run(args.sim_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway in front of a vLLM server")
+    serve.add_argument("--upstream", help="vLLM base URL, e.g. http://127.0.0.1:8000")
+    serve.add_argument("--host", help="address to listen on (default 0.0.0.0)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    serve.add_argument("--config", help="YAML config file; flags override it")
+    serve.add_argument(
+        "--tokenizer",
+        help="auto | hf:PATH | tiktoken:NAME_OR_FILE | vllm | heuristic[:CHARS_PER_TOKEN]",
+    )
+    serve.add_argument("--log-level", default=None, help="debug, info, warning (default info)")
+    serve.set_defaults(func=_serve)
+
+    validate = sub.add_parser("validate", help="check a config file and print each error with its location")
+    validate.add_argument("file")
+    validate.set_defaults(func=_validate)
+
+    sim = sub.add_parser("sim", help="run the vLLM simulator (kvgate sim --help)", add_help=False)
+    sim.add_argument("sim_args", nargs=argparse.REMAINDER)
+    sim.set_defaults(func=_sim)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    result: int = args.func(args)
+    return result

@@ -1,0 +1,192 @@
+"""Configuration: pydantic models, YAML loading with error locations, and flag overrides.
+
+One file configures a gateway. ``kvgate validate FILE`` reports each problem as ``file:line:col: path:
+message`` so an operator can fix a ConfigMap without starting the server.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class UpstreamConfig(_Model):
+    url: str = "http://127.0.0.1:8000"
+    connect_timeout_s: float = Field(5.0, gt=0)
+    timeout_s: float = Field(600.0, gt=0, description="Whole-request deadline for one upstream call.")
+    api_key: str | None = Field(None, description="Sent upstream instead of the client's Authorization.")
+    max_connections: int = Field(1024, ge=1)
+
+
+class ListenConfig(_Model):
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=1, le=65535)
+
+
+class ModelConfig(_Model):
+    """Overrides for what the gateway otherwise learns from the upstream's /metrics and /v1/models."""
+
+    max_model_len: int | None = Field(None, ge=1)
+    block_size: int | None = Field(None, ge=1)
+    num_gpu_blocks: int | None = Field(None, ge=1)
+
+
+class AdmissionConfig(_Model):
+    high_watermark: float = Field(0.90, gt=0, le=1)
+    low_watermark: float = Field(0.80, gt=0, le=1)
+    queue_max_length: int = Field(1024, ge=0)
+    queue_max_wait_s: float = Field(30.0, gt=0)
+    stale_after_s: float = Field(2.0, gt=0, description="A metrics sample older than this is stale.")
+    stale_policy: Literal["ledger", "hold"] = Field(
+        "ledger",
+        description="ledger: admit against the gateway's own reservations under stale_ledger_cap; "
+        "hold: admit nothing until metrics are fresh (queued requests time out with 503).",
+    )
+    stale_ledger_cap: float = Field(0.75, gt=0, le=1)
+    exclusive_upstream: bool = Field(
+        True,
+        description="All traffic to the engine goes through this gateway (sidecar): the ledger then bounds "
+        "usage from above, which lets the gateway admit as soon as a request ends instead of a scrape later.",
+    )
+
+    @model_validator(mode="after")
+    def _watermarks_ordered(self) -> AdmissionConfig:
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError("low_watermark must be below high_watermark")
+        return self
+
+
+class TelemetryConfig(_Model):
+    scrape_interval_s: float = Field(0.25, gt=0, le=60)
+    scrape_timeout_s: float = Field(1.0, gt=0)
+
+
+class LimitsConfig(_Model):
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    offload_tokenize_chars: int = Field(
+        4096, ge=0, description="Prompts longer than this are tokenized on a worker thread."
+    )
+
+
+class TenantConfig(_Model):
+    name: str
+    api_keys: list[str] = Field(default_factory=list, description="Plain keys or 'sha256:<hex>'.")
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
+
+
+class AuthConfig(_Model):
+    require_api_key: bool = False
+    default_tenant: str = "default"
+
+
+class GatewayConfig(_Model):
+    upstream: UpstreamConfig = UpstreamConfig()
+    listen: ListenConfig = ListenConfig()
+    tokenizer: str = "auto"
+    model: ModelConfig = ModelConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    limits: LimitsConfig = LimitsConfig()
+    auth: AuthConfig = AuthConfig()
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    log_level: str = "info"
+
+    def with_overrides(self, **flags: Any) -> GatewayConfig:
+        """Apply command-line flags (None means 'not given') on top of the file."""
+        data = self.model_dump()
+        mapping = {"upstream": ("upstream", "url"), "host": ("listen", "host"), "port": ("listen", "port")}
+        for flag, value in flags.items():
+            if value is None:
+                continue
+            if flag in mapping:
+                section, key = mapping[flag]
+                data[section][key] = value
+            else:
+                data[flag] = value
+        return GatewayConfig.model_validate(data)
+
+
+class ConfigError(Exception):
+    """A config file that does not load; ``errors`` are printable ``file:line:col: path: message`` lines."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def load_config(path: str | Path | None) -> GatewayConfig:
+    if path is None:
+        return GatewayConfig()
+    text = Path(path).read_text(encoding="utf-8")
+    return parse_config(text, str(path))
+
+
+def parse_config(text: str, filename: str = "<config>") -> GatewayConfig:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{filename}:{mark.line + 1}:{mark.column + 1}" if mark else filename
+        raise ConfigError([f"{where}: YAML syntax error: {getattr(exc, 'problem', exc)}"]) from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{filename}:1:1: the top level must be a mapping"])
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_locate_errors(exc, root, filename)) from exc
+
+
+def _locate_errors(exc: ValidationError, root: yaml.Node | None, filename: str) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        node = _find_node(root, loc)
+        line, col = (node.start_mark.line + 1, node.start_mark.column + 1) if node is not None else (1, 1)
+        path = ".".join(str(p) for p in loc) or "<root>"
+        lines.append(f"{filename}:{line}:{col}: {path}: {err['msg']}")
+    return lines
+
+
+def _find_node(root: yaml.Node | None, loc: tuple[Any, ...]) -> yaml.Node | None:
+    """The deepest YAML node along ``loc`` (a missing key points at its parent mapping)."""
+    node = root
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            child = next((v for k, v in node.value if k.value == part), None)
+            key = next((k for k, _ in node.value if k.value == part), None)
+            if child is None:
+                return node
+            # Point at the key for scalars: editors highlight the line that names the setting.
+            node = child if not isinstance(child, yaml.ScalarNode) else key
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+        else:
+            return node
+    return node
+
+
+def validate_file(path: str) -> int:
+    """``kvgate validate``: exit 0 and say so, or print every error with its location and exit 1."""
+    try:
+        load_config(path)
+    except FileNotFoundError:
+        print(f"{path}: no such file", file=sys.stderr)
+        return 1
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(line, file=sys.stderr)
+        return 1
+    print(f"{path}: OK")
+    return 0

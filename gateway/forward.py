@@ -1,0 +1,245 @@
+"""Forwarding: send the request to the engine and relay its answer, chunk by chunk, as it arrives.
+
+Non-streaming bodies pass byte for byte. SSE streams are relayed without buffering; on the way we count
+events to tell the ledger how far each request has got, and keep the tail to read the final ``usage``.
+
+vLLM's ``--max-num-queued-reqs`` rejections ("engine busy") come in two forms: a plain 503, and for
+streams often an HTTP 200 whose first event is ``data: {"error": {..., "code": 503}}``. We hold the
+response head until the first chunk has arrived so that both can become a proper 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway.errors import GatewayError, engine_busy, upstream_unavailable
+from gateway.metrics import GatewayMetrics
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+_NOT_FORWARDED_UP = HOP_BY_HOP | {b"host", b"content-length"}
+_NOT_RELAYED_DOWN = HOP_BY_HOP | {b"content-length", b"date", b"server"}
+_TAIL_BYTES = 4096
+BUSY_RETRY_AFTER_S = 1.0
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ResponseWriter:
+    """The client side of one ASGI response; remembers whether the head has gone out."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.finished = False
+
+    async def start(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        await self._send({"type": "http.response.start", "status": status, "headers": list(headers)})
+
+    async def body(self, chunk: bytes, more: bool = False) -> None:
+        self.finished = not more
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
+
+    async def error(self, exc: GatewayError, extra_headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+        body = exc.body()
+        await self.start(
+            exc.status, [*exc.headers(), *extra_headers, (b"content-length", str(len(body)).encode())]
+        )
+        await self.body(body)
+
+
+def upstream_headers(
+    client_headers: Iterable[tuple[bytes, bytes]], request_id: str, api_key: str | None
+) -> dict[str, str]:
+    headers = {
+        k.decode("latin-1"): v.decode("latin-1")
+        for k, v in client_headers
+        if k.lower() not in _NOT_FORWARDED_UP
+    }
+    headers["x-request-id"] = request_id
+    if api_key is not None:
+        headers["authorization"] = f"Bearer {api_key}"
+    return headers
+
+
+def relayed_headers(resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+    """The engine's headers as it sent them (duplicates such as set-cookie kept), minus hop-by-hop ones."""
+    return [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in _NOT_RELAYED_DOWN]
+
+
+def is_engine_busy(body: bytes) -> bool:
+    """vLLM's admission rejection: ``{"error": {..., "code": 503}}`` or a top-level 503 code."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    if not isinstance(data, dict):
+        return False
+    error = data.get("error", data)
+    return isinstance(error, dict) and str(error.get("code")) == "503"
+
+
+def _first_event_is_busy(chunk: bytes) -> bool:
+    stripped = chunk.lstrip()
+    if not stripped.startswith(b"data:"):
+        return False
+    event = stripped[5:].split(b"\n\n", 1)[0].strip()
+    return event.startswith(b'{"error"') and is_engine_busy(event)
+
+
+def parse_usage(payload: bytes) -> Usage | None:
+    try:
+        usage = orjson.loads(payload).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    if not isinstance(usage, dict):
+        return None
+    return Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+
+
+def _usage_from_tail(tail: bytes) -> Usage | None:
+    """The last SSE event carrying ``usage`` (vLLM sends it last when ``include_usage`` is set)."""
+    for event in reversed(tail.split(b"\n\n")):
+        event = event.strip()
+        if event.startswith(b"data:") and b'"usage"' in event:
+            return parse_usage(event[5:].strip())
+    return None
+
+
+class Forwarder:
+    def __init__(
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        metrics: GatewayMetrics,
+        *,
+        timeout_s: float,
+        connect_timeout_s: float,
+        api_key: str | None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.session = session
+        self.metrics = metrics
+        self.api_key = api_key
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+
+    async def inference(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        writer: ResponseWriter,
+        extra_headers: list[tuple[bytes, bytes]],
+        on_progress: Callable[[int], None],
+    ) -> Usage | None:
+        """Forward one admitted request; returns the engine's usage when it reported one."""
+        started = time.perf_counter()
+        try:
+            async with self.session.post(
+                self.base_url + path, data=body, headers=headers, timeout=self.timeout
+            ) as resp:
+                if resp.status == 200 and resp.content_type == "text/event-stream":
+                    return await self._relay_stream(resp, writer, extra_headers, on_progress, started)
+                payload = await resp.read()
+                self.metrics.ttft.observe(time.perf_counter() - started)
+                if resp.status == 503 and is_engine_busy(payload):
+                    self.metrics.upstream_busy.labels("status").inc()
+                    raise engine_busy(BUSY_RETRY_AFTER_S)
+                await writer.start(resp.status, [*relayed_headers(resp), *extra_headers, _length(payload)])
+                await writer.body(payload)
+                self.metrics.latency.observe(time.perf_counter() - started)
+                if resp.status == 200 and resp.content_type == "application/json":
+                    return parse_usage(payload)
+                return None
+        except aiohttp.ClientConnectorError as exc:
+            raise upstream_unavailable(f"The inference engine is unreachable: {exc}", 1.0) from exc
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
+            raise GatewayError(
+                502,
+                f"The inference engine dropped the connection: {exc}",
+                type="upstream_error",
+                code="upstream_disconnected",
+            ) from exc
+        except TimeoutError as exc:
+            raise GatewayError(
+                504,
+                "The inference engine did not answer in time.",
+                type="upstream_error",
+                code="upstream_timeout",
+            ) from exc
+
+    async def _relay_stream(
+        self,
+        resp: aiohttp.ClientResponse,
+        writer: ResponseWriter,
+        extra_headers: list[tuple[bytes, bytes]],
+        on_progress: Callable[[int], None],
+        started: float,
+    ) -> Usage | None:
+        chunks = resp.content.iter_any()
+        first = await anext(chunks, b"")
+        self.metrics.ttft.observe(time.perf_counter() - started)
+        if _first_event_is_busy(first):
+            self.metrics.upstream_busy.labels("sse").inc()
+            raise engine_busy(BUSY_RETRY_AFTER_S)
+        await writer.start(200, [*relayed_headers(resp), *extra_headers])
+        events = first.count(b"data:")
+        tail = first[-_TAIL_BYTES:]
+        await writer.body(first, more=True)
+        on_progress(events)
+        async for chunk in chunks:
+            await writer.body(chunk, more=True)
+            events += chunk.count(b"data:")
+            on_progress(events)
+            tail = (tail + chunk)[-_TAIL_BYTES:]
+        await writer.body(b"")
+        self.metrics.latency.observe(time.perf_counter() - started)
+        return _usage_from_tail(tail)
+
+    async def passthrough(
+        self, method: str, path_qs: str, body: bytes, headers: dict[str, str], writer: ResponseWriter
+    ) -> None:
+        """Any other path: same status, same body, same headers minus hop-by-hop ones."""
+        try:
+            async with self.session.request(
+                method, self.base_url + path_qs, data=body or None, headers=headers, timeout=self.timeout
+            ) as resp:
+                length = [] if resp.content_length is None else [_length_n(resp.content_length)]
+                await writer.start(resp.status, [*relayed_headers(resp), *length])
+                async for chunk in resp.content.iter_any():
+                    await writer.body(chunk, more=True)
+                await writer.body(b"")
+        except aiohttp.ClientConnectorError as exc:
+            raise upstream_unavailable(f"The inference engine is unreachable: {exc}", 1.0) from exc
+
+
+def _length(payload: bytes) -> tuple[bytes, bytes]:
+    return (b"content-length", str(len(payload)).encode())
+
+
+def _length_n(n: int) -> tuple[bytes, bytes]:
+    return (b"content-length", str(n).encode())

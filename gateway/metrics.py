@@ -1,0 +1,100 @@
+"""The gateway's own Prometheus metrics, on a registry per gateway instance (tests run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.gate_open = Gauge(
+            "kvgate_gate_open", "1 while the hysteresis gate admits, 0 while closed", registry=r
+        )
+        self.kv_usage_observed = Gauge(
+            "kvgate_kv_usage_observed", "KV cache usage (0..1) in the latest upstream sample", registry=r
+        )
+        self.kv_usage_projected = Gauge(
+            "kvgate_kv_usage_projected",
+            "Projected KV usage (0..1): sample plus what the ledger adds",
+            registry=r,
+        )
+        self.reserved_blocks = Gauge(
+            "kvgate_reserved_blocks", "KV blocks reserved by in-flight requests", registry=r
+        )
+        self.inflight = Gauge(
+            "kvgate_inflight_requests", "Requests admitted and not yet finished", registry=r
+        )
+        self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting for admission", registry=r)
+        self.queue_wait = Histogram(
+            "kvgate_queue_wait_seconds",
+            "Time from arrival to admission",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.admitted = Counter("kvgate_requests_admitted", "Requests admitted to the engine", registry=r)
+        self.rejected = Counter(
+            "kvgate_requests_rejected",
+            "Requests answered with an error by the gateway",
+            ["reason"],
+            registry=r,
+        )
+        self.upstream_busy = Counter(
+            "kvgate_upstream_busy",
+            "Engine 'busy' rejections seen (vLLM --max-num-queued-reqs)",
+            ["form"],
+            registry=r,
+        )
+        self.prompt_tokens_estimated = Counter(
+            "kvgate_prompt_tokens_estimated",
+            "Prompt tokens estimated at admission (requests with usage)",
+            registry=r,
+        )
+        self.prompt_tokens_actual = Counter(
+            "kvgate_prompt_tokens_actual", "Prompt tokens the engine reported in usage", registry=r
+        )
+        self.completion_tokens = Counter(
+            "kvgate_completion_tokens", "Completion tokens the engine reported in usage", registry=r
+        )
+        self.ttft = Histogram(
+            "kvgate_upstream_ttft_seconds",
+            "Upstream time to first byte of the response body",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "kvgate_upstream_latency_seconds",
+            "Upstream request duration",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.scrape_errors = Counter(
+            "kvgate_scrape_errors", "Failed scrapes of the upstream /metrics", registry=r
+        )
+        self.metrics_age = Gauge(
+            "kvgate_upstream_metrics_age_seconds", "Age of the latest good upstream sample", registry=r
+        )
+        self.ready = Gauge(
+            "kvgate_ready", "1 when the upstream is reachable and its metrics fresh", registry=r
+        )
+        self.loop_lag = Histogram(
+            "kvgate_event_loop_lag_seconds",
+            "How late the event loop ran a timer",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.released = Counter(
+            "kvgate_reservations_released",
+            "Reservations released, by how the request ended",
+            ["outcome"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "kvgate_client_disconnects", "Clients that went away, by stage", ["stage"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

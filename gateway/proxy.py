@@ -1,0 +1,145 @@
+"""The request path, top to bottom, in one function: :func:`handle_inference`.
+
+authenticate -> parse -> estimate cost -> rate limit -> admit (or queue / reject) -> forward and stream
+-> settle and release. Each step lives in the module named after it; this file only strings them together.
+Errors anywhere become an OpenAI-shaped response in :mod:`gateway.app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from gateway.errors import GatewayError, payload_too_large
+from gateway.forward import ResponseWriter, Send, upstream_headers
+from gateway.parse import Endpoint, InferenceRequest, parse_request
+from gateway.ratelimit import ratelimit_headers
+from gateway.settle import settle
+
+if TYPE_CHECKING:
+    from gateway.app import Gateway
+
+log = logging.getLogger("kvgate.request")
+
+_PARSE_OFFLOAD_BYTES = 256 * 1024
+
+Receive = Any
+
+
+async def handle_inference(
+    gw: Gateway,
+    endpoint: Endpoint,
+    scope: dict[str, Any],
+    receive: Receive,
+    writer: ResponseWriter,
+    request_id: str,
+) -> None:
+    headers = scope["headers"]
+    # 1. authenticate
+    tenant = gw.tenants.authenticate(_header(headers, b"authorization"))
+    # 2. parse (large bodies on a worker thread)
+    raw = await read_body(receive, gw.config.limits.max_body_bytes)
+    request = await _parse(endpoint, raw)
+    # 3. estimate cost (tokenizing long prompts off the event loop)
+    cost = await gw.estimate_cost(request)
+    # 4. rate limit (pre-charges prompt + reserved output)
+    limits = gw.check_rate_limit(tenant, cost)
+    reply_headers = [(b"x-request-id", request_id.encode()), *ratelimit_headers(limits)]
+    generated = 0
+    reached_engine = False
+    usage = None
+    try:
+        # 5. admit, or wait in the queue, or be turned away (429/503)
+        async with gw.admitter.reserve(cost, tenant) as admission:
+            if admission.waited_s > 0:
+                reply_headers += _queue_headers(admission.queue_position, admission.waited_s)
+
+            def on_progress(events: int) -> None:
+                nonlocal generated
+                generated = events
+                gw.admitter.progress(admission.reservation, events)
+
+            # 6. forward and stream
+            reached_engine = True
+            try:
+                usage = await gw.forwarder.inference(
+                    scope["path"],
+                    raw,
+                    upstream_headers(headers, request_id, gw.config.upstream.api_key),
+                    writer,
+                    reply_headers,
+                    on_progress,
+                )
+            except GatewayError as exc:
+                admission.outcome = "upstream_busy" if exc.code == "engine_busy" else "upstream_error"
+                raise
+    finally:
+        # 7. settle (the reservation itself was released when the `async with` exited)
+        settle(
+            tenant=tenant,
+            cost=cost,
+            usage=usage,
+            generated_events=generated,
+            reached_engine=reached_engine,
+            limiter=gw.limiter,
+            metrics=gw.metrics,
+            now=gw.clock(),
+        )
+    log.debug(
+        "done tenant=%s blocks=%d generated=%d",
+        tenant,
+        cost.blocks,
+        generated,
+        extra={"request_id": request_id},
+    )
+
+
+async def handle_passthrough(
+    gw: Gateway, scope: dict[str, Any], receive: Receive, writer: ResponseWriter, request_id: str
+) -> None:
+    body = await read_body(receive, gw.config.limits.max_body_bytes)
+    path_qs = scope["path"] + (
+        ("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else ""
+    )
+    headers = upstream_headers(scope["headers"], request_id, gw.config.upstream.api_key)
+    await gw.forwarder.passthrough(scope["method"], path_qs, body, headers, writer)
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise payload_too_large(limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _parse(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
+    if len(raw) <= _PARSE_OFFLOAD_BYTES:
+        return parse_request(endpoint, raw)
+    return await asyncio.get_running_loop().run_in_executor(None, parse_request, endpoint, raw)
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key.lower() == name:
+            return value
+    return None
+
+
+def _queue_headers(position: int, waited_s: float) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"x-kvgate-queue-position", str(position).encode()),
+        (b"x-kvgate-queue-wait-ms", str(round(waited_s * 1000)).encode()),
+    ]
+
+
+__all__ = ["Send", "handle_inference", "handle_passthrough", "read_body"]

@@ -1,0 +1,139 @@
+"""Rate limits: requests and tokens per minute per tenant, as token buckets. Pure: time comes in as ``now``.
+
+Tokens are charged at admission for the prompt plus the reserved output, then settled against the
+response's ``usage`` (unused reservation is refunded), so a tenant is not billed for ``max_tokens`` it never
+generated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gateway.config import TenantConfig
+
+
+class TokenBucket:
+    """``capacity`` units that refill continuously at ``capacity / period_s`` per second."""
+
+    def __init__(self, capacity: float, period_s: float, now: float) -> None:
+        self.capacity = capacity
+        self.rate = capacity / period_s
+        self.level = capacity
+        self.updated = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.updated:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+            self.updated = now
+
+    def available(self, now: float) -> float:
+        self._refill(now)
+        return self.level
+
+    def wait_for(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` is available (0 if it is now); inf if it never fits."""
+        self._refill(now)
+        if amount <= self.level:
+            return 0.0
+        if amount > self.capacity:
+            return math.inf
+        return (amount - self.level) / self.rate
+
+    def take(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.level -= amount
+
+    def refund(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.level = min(self.capacity, self.level + amount)
+
+    def reset_after(self, now: float) -> float:
+        """Seconds until the bucket is full again."""
+        self._refill(now)
+        return (self.capacity - self.level) / self.rate
+
+
+@dataclass(frozen=True, slots=True)
+class LimitState:
+    """What the ``x-ratelimit-*`` headers report for one dimension (requests or tokens)."""
+
+    limit: int
+    remaining: int
+    reset_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RateDecision:
+    allowed: bool
+    retry_after_s: float
+    requests: LimitState | None
+    tokens: LimitState | None
+    exceeded: str | None = None
+
+
+class RateLimiter:
+    def __init__(self, tenants: list[TenantConfig]) -> None:
+        self._limits = {t.name: t for t in tenants}
+        self._requests: dict[str, TokenBucket] = {}
+        self._tokens: dict[str, TokenBucket] = {}
+
+    def _buckets(self, tenant: str, now: float) -> tuple[TokenBucket | None, TokenBucket | None]:
+        cfg = self._limits.get(tenant)
+        if cfg is None:
+            return None, None
+        if cfg.requests_per_minute and tenant not in self._requests:
+            self._requests[tenant] = TokenBucket(cfg.requests_per_minute, 60.0, now)
+        if cfg.tokens_per_minute and tenant not in self._tokens:
+            self._tokens[tenant] = TokenBucket(cfg.tokens_per_minute, 60.0, now)
+        return self._requests.get(tenant), self._tokens.get(tenant)
+
+    def check(self, tenant: str, tokens: int, now: float) -> RateDecision:
+        """Charge one request and ``tokens`` if both fit; else charge nothing and say how long to wait."""
+        req_bucket, tok_bucket = self._buckets(tenant, now)
+        req_wait = req_bucket.wait_for(1, now) if req_bucket else 0.0
+        tok_wait = tok_bucket.wait_for(tokens, now) if tok_bucket else 0.0
+        allowed = req_wait == 0.0 and tok_wait == 0.0
+        exceeded = None
+        if allowed:
+            if req_bucket:
+                req_bucket.take(1, now)
+            if tok_bucket:
+                tok_bucket.take(tokens, now)
+        else:
+            exceeded = "requests" if req_wait >= tok_wait else "tokens"
+        return RateDecision(
+            allowed,
+            max(req_wait, tok_wait),
+            _state(req_bucket, now),
+            _state(tok_bucket, now),
+            exceeded,
+        )
+
+    def settle(self, tenant: str, charged: int, actual: int, now: float) -> None:
+        """Refund the part of the pre-charge the request did not use."""
+        _, tok_bucket = self._buckets(tenant, now)
+        if tok_bucket and actual < charged:
+            tok_bucket.refund(charged - actual, now)
+
+
+def _state(bucket: TokenBucket | None, now: float) -> LimitState | None:
+    if bucket is None:
+        return None
+    return LimitState(
+        int(bucket.capacity), max(0, math.floor(bucket.available(now))), bucket.reset_after(now)
+    )
+
+
+def ratelimit_headers(decision: RateDecision) -> list[tuple[bytes, bytes]]:
+    """OpenAI's ``x-ratelimit-*`` headers for whichever dimensions the tenant is limited on."""
+    headers = []
+    for kind, state in (("requests", decision.requests), ("tokens", decision.tokens)):
+        if state is None:
+            continue
+        headers += [
+            (f"x-ratelimit-limit-{kind}".encode(), str(state.limit).encode()),
+            (f"x-ratelimit-remaining-{kind}".encode(), str(state.remaining).encode()),
+            (f"x-ratelimit-reset-{kind}".encode(), f"{state.reset_s:.3f}s".encode()),
+        ]
+    return headers

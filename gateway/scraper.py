@@ -1,0 +1,128 @@
+"""Telemetry loop: scrape the engine's /metrics every interval and feed the admission controller.
+
+Also learns what /v1/models says about the served model (``max_model_len``, and its path on disk, which lets
+``--tokenizer auto`` find the exact tokenizer), and measures the event loop's lag as a by-product of its own
+timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from gateway.admission import UsageSample
+from gateway.admitter import Admitter
+from gateway.cost import KvGeometry
+from gateway.metrics import GatewayMetrics
+from gateway.telemetry import MetricsFormatError, parse_engine_metrics
+
+log = logging.getLogger("kvgate.scraper")
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    id: str | None = None
+    max_model_len: int | None = None
+    root: str | None = None
+
+
+class Scraper:
+    def __init__(
+        self,
+        upstream: str,
+        session: aiohttp.ClientSession,
+        admitter: Admitter,
+        metrics: GatewayMetrics,
+        *,
+        interval_s: float,
+        timeout_s: float,
+        geometry_override: KvGeometry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.session = session
+        self.admitter = admitter
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.geometry_override = geometry_override
+        self.clock = clock
+        self.last_success: float | None = None
+        self.last_error: str | None = None
+        self.model = ModelInfo()
+        self.preemptions: float | None = None
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_tick = loop.time()
+        while True:
+            await self.scrape_once()
+            self.admitter.refresh_gauges()
+            self.metrics.metrics_age.set(self.age())
+            next_tick += self.interval_s
+            delay = next_tick - loop.time()
+            if delay < 0:  # fell behind (slow upstream): don't burst to catch up
+                next_tick = loop.time()
+                delay = 0
+            await asyncio.sleep(delay)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - next_tick))
+
+    async def scrape_once(self) -> bool:
+        self.admitter.begin_sample()
+        started = self.clock()
+        try:
+            async with self.session.get(f"{self.upstream}/metrics", timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    raise MetricsFormatError(f"/metrics answered HTTP {resp.status}")
+                text = await resp.text()
+            engine = parse_engine_metrics(text)
+        except (aiohttp.ClientError, TimeoutError, MetricsFormatError, ValueError) as exc:
+            self._failed(f"{type(exc).__name__}: {exc}")
+            self.admitter.pump()  # the stale policy may admit (or keep holding) by its own rules
+            return False
+        geometry = self.geometry_override or engine.geometry
+        self.admitter.on_sample(
+            UsageSample(
+                usage=engine.usage,
+                taken_at=started,
+                geometry=geometry,
+                running=engine.running,
+                waiting=engine.waiting,
+                preemptions=engine.preemptions,
+            )
+        )
+        if self.last_error is not None:
+            log.info("upstream metrics recovered after: %s", self.last_error)
+        self.last_success = started
+        self.last_error = None
+        self.preemptions = engine.preemptions
+        if self.model.max_model_len is None:
+            await self.discover_model()
+        return True
+
+    def _failed(self, reason: str) -> None:
+        self.metrics.scrape_errors.inc()
+        if reason != self.last_error:
+            log.warning("scraping %s/metrics failed: %s", self.upstream, reason)
+        self.last_error = reason
+
+    async def discover_model(self) -> None:
+        try:
+            async with self.session.get(f"{self.upstream}/v1/models", timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    return
+                data = orjson.loads(await resp.read()).get("data") or []
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return
+        if data:
+            first = data[0]
+            self.model = ModelInfo(first.get("id"), first.get("max_model_len"), first.get("root"))
+
+    def age(self) -> float:
+        return float("inf") if self.last_success is None else self.clock() - self.last_success
