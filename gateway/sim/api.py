@@ -30,9 +30,7 @@ class ApiError(Exception):
         self.param = param
 
     def payload(self) -> dict[str, Any]:
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
-        }
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
 
     def body(self) -> bytes:
         return orjson.dumps(self.payload())

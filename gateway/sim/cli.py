@@ -125,9 +125,7 @@ async def serve(server: SimServer, host: str, port: int) -> int:
 
 def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
     tokenizer = load_tokenizer(args.tokenizer)
 

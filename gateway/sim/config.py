@@ -88,26 +88,21 @@ class SimConfig:
         return room / (self.block_bytes * (self.num_gpu_blocks - 1))
 
     def scaled(self, kv_scale: float) -> SimConfig:
-        """Shrink the KV pool by ``kv_scale`` keeping every usage threshold where it was.
+        """A miniature: KV pool, KV headroom and the per-step token budget all shrink by ``kv_scale``.
 
-        The KV headroom (card minus fixed memory) and the activation cost scale with the pool, so a step at a
-        given usage and prefill chunk OOMs in the scaled config exactly when it would in the full one. CI uses
-        this to reproduce the 8B/H100 burst with a few hundred requests' worth of tokens.
+        Activation memory per prefill token stays, so a step at a given KV usage whose prefill is the same
+        fraction of the (scaled) budget OOMs exactly when the full-size one would. Scenarios scale their
+        prompt and output lengths by the same factor; CI uses this to replay the 8B/H100 burst cheaply.
         """
         if kv_scale == 1.0:
             return self
         blocks = max(2, round((self.num_gpu_blocks - 1) * kv_scale) + 1)
         exact = (blocks - 1) / (self.num_gpu_blocks - 1)
         headroom = (self.card_bytes - self.fixed_bytes) * exact
-        hw = dataclasses.replace(
-            self.hardware, hbm_bytes_per_gpu=(self.fixed_bytes + headroom) / self.hardware.tp
-        )
-        return dataclasses.replace(
-            self,
-            hardware=hw,
-            num_gpu_blocks=blocks,
-            activation_bytes_per_prefill_token=self.activation_bytes_per_prefill_token * exact,
-        )
+        tp = self.hardware.tp
+        hw = dataclasses.replace(self.hardware, hbm_bytes_per_gpu=(self.fixed_bytes + headroom) / tp)
+        budget = max(self.block_size, round(self.max_num_batched_tokens * exact))
+        return dataclasses.replace(self, hardware=hw, num_gpu_blocks=blocks, max_num_batched_tokens=budget)
 
 
 LLAMA3_8B = ModelSpec(

@@ -92,12 +92,8 @@ class _EngineCollector(Collector):
             c.add_metric(base, value, created=created)
             return c
 
-        yield gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.", len(eng.running)
-        )
-        yield gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(eng.waiting)
-        )
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", len(eng.running))
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(eng.waiting))
         by_reason = GaugeMetricFamily(
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason.",
@@ -108,13 +104,9 @@ class _EngineCollector(Collector):
         yield by_reason
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", eng.usage())
         if o.legacy_gpu_cache_metric:
-            yield gauge(
-                "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", eng.usage()
-            )
+            yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", eng.usage())
         s = eng.stats
-        yield counter(
-            "vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions
-        )
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
         success = CounterMetricFamily(

