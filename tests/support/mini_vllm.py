@@ -1,0 +1,280 @@
+"""A small vLLM-like HTTP server for the gateway's integration tests and the overhead benchmark.
+
+Not the simulator (``kvgate sim``): no scheduler and no timing model. It does what the gateway's tests need
+to observe exactly: every active request holds ``ceil((prompt + generated) / block_size)`` KV blocks, the
+server records the peak it ever held (so a test can check *actual* usage, not a sampled one), and it records
+when each client went away. Token counts use the gateway's heuristic tokenizer so both sides agree.
+
+Run: python -m tests.support.mini_vllm --port 8000 [--num-blocks 256 --block-size 16 --token-delay-ms 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.tokenizer import HeuristicTokenizer
+
+_tok = HeuristicTokenizer(4.0)
+
+
+@dataclass
+class Active:
+    prompt: int
+    max_tokens: int
+    generated: int = 0
+
+
+@dataclass
+class State:
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    token_delay_s: float
+    busy_after: int | None
+    model: str
+    active: dict[int, Active] = field(default_factory=dict)
+    next_id: int = 0
+    peak_blocks: int = 0
+    preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    completed: int = 0
+    cancelled: list[float] = field(default_factory=list)
+    started: list[float] = field(default_factory=list)
+    busy_rejections: int = 0
+
+    def used_blocks(self) -> int:
+        return sum(math.ceil((a.prompt + a.generated) / self.block_size) for a in self.active.values())
+
+    def track(self) -> None:
+        self.peak_blocks = max(self.peak_blocks, self.used_blocks())
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    if "messages" in body:
+        return _tok.count_messages(body["messages"])
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    return _tok.count(prompt if isinstance(prompt, str) else "".join(prompt))
+
+
+def _error(status: int, message: str, type_: str) -> web.Response:
+    return web.Response(
+        status=status,
+        body=orjson.dumps({"object": "error", "message": message, "type": type_, "param": None, "code": status}),
+        content_type="application/json",
+    )
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    st: State = request.app["state"]
+    body = orjson.loads(await request.read())
+    chat = request.path.endswith("chat/completions")
+    if body.get("model") not in (None, st.model):
+        return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+    prompt = _prompt_tokens(body)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or (st.max_model_len - prompt)
+    if prompt + max_tokens > st.max_model_len:
+        return _error(400, f"This model's maximum context length is {st.max_model_len} tokens.", "BadRequestError")
+    stream = bool(body.get("stream"))
+    if st.busy_after is not None and len(st.active) >= st.busy_after:
+        st.busy_rejections += 1
+        busy = {
+            "error": {
+                "message": "The engine is currently busy and cannot accept new requests.",
+                "type": "Service Unavailable",
+                "code": 503,
+            }
+        }
+        if stream:  # vLLM's second form: HTTP 200 carrying one SSE error event
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b"data: " + orjson.dumps(busy) + b"\n\n")
+            await resp.write_eof()
+            return resp
+        return web.Response(status=503, body=orjson.dumps(busy), content_type="application/json")
+
+    st.next_id += 1
+    rid = st.next_id
+    st.active[rid] = Active(prompt, max_tokens)
+    st.started.append(time.monotonic())
+    st.prompt_tokens_total += prompt
+    st.track()
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    usage = {"prompt_tokens": prompt, "completion_tokens": max_tokens, "total_tokens": prompt + max_tokens}
+    try:
+        if not stream:
+            for _ in range(max_tokens):
+                await _step(st, rid)
+            text = " tok" * max_tokens
+            choice = {"index": 0, "finish_reason": "length"}
+            choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            st.completed += 1
+            payload = {
+                "id": f"cmpl-{rid}",
+                "object": "chat.completion" if chat else "text_completion",
+                "model": st.model,
+                "choices": [choice],
+                "usage": usage,
+            }
+            return web.Response(body=orjson.dumps(payload), content_type="application/json")
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+        await resp.prepare(request)
+        if chat:
+            first = {
+                "id": f"c-{rid}",
+                "object": obj,
+                "model": st.model,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+            }
+            await resp.write(b"data: " + orjson.dumps(first) + b"\n\n")
+        for i in range(max_tokens):
+            await _step(st, rid)
+            last = i == max_tokens - 1
+            if chat:
+                choice = {"index": 0, "delta": {"content": " tok"}, "finish_reason": "length" if last else None}
+            else:
+                choice = {"index": 0, "text": " tok", "finish_reason": "length" if last else None}
+            chunk = {"id": f"c-{rid}", "object": obj, "model": st.model, "choices": [choice]}
+            await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        if include_usage:
+            await resp.write(
+                b"data: "
+                + orjson.dumps({"id": f"c-{rid}", "object": obj, "model": st.model, "choices": [], "usage": usage})
+                + b"\n\n"
+            )
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        st.completed += 1
+        return resp
+    except (asyncio.CancelledError, ConnectionResetError):
+        st.cancelled.append(time.monotonic())
+        raise
+    finally:
+        st.active.pop(rid, None)
+
+
+async def _step(st: State, rid: int) -> None:
+    if st.token_delay_s > 0:
+        await asyncio.sleep(st.token_delay_s)
+    st.active[rid].generated += 1
+    st.generation_tokens_total += 1
+    st.track()
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st: State = request.app["state"]
+    labels = f'engine="0",model_name="{st.model}"'
+    usage = st.used_blocks() / st.num_blocks
+    lines = [
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        f"vllm:kv_cache_usage_perc{{{labels}}} {usage}",
+        "# TYPE vllm:num_requests_running gauge",
+        f"vllm:num_requests_running{{{labels}}} {float(len(st.active))}",
+        "# TYPE vllm:num_requests_waiting gauge",
+        f"vllm:num_requests_waiting{{{labels}}} 0.0",
+        "# TYPE vllm:num_preemptions_total counter",
+        f"vllm:num_preemptions_total{{{labels}}} {float(st.preemptions)}",
+        "# TYPE vllm:cache_config_info gauge",
+        f'vllm:cache_config_info{{block_size="{st.block_size}",engine="0",num_gpu_blocks="{st.num_blocks}"}} 1.0',
+        "# TYPE vllm:prompt_tokens_total counter",
+        f"vllm:prompt_tokens_total{{{labels}}} {float(st.prompt_tokens_total)}",
+        "# TYPE vllm:generation_tokens_total counter",
+        f"vllm:generation_tokens_total{{{labels}}} {float(st.generation_tokens_total)}",
+    ]
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+async def models(request: web.Request) -> web.Response:
+    st: State = request.app["state"]
+    data = [
+        {"id": st.model, "object": "model", "owned_by": "vllm", "root": st.model, "max_model_len": st.max_model_len}
+    ]
+    return web.json_response({"object": "list", "data": data}, headers={"x-upstream": "mini-vllm"})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    st: State = request.app["state"]
+    body = orjson.loads(await request.read())
+    n = _prompt_tokens(body)
+    return web.json_response({"count": n, "max_model_len": st.max_model_len, "tokens": list(range(n))})
+
+
+async def stats(request: web.Request) -> web.Response:
+    st: State = request.app["state"]
+    return web.json_response(
+        {
+            "active": len(st.active),
+            "used_blocks": st.used_blocks(),
+            "peak_blocks": st.peak_blocks,
+            "num_blocks": st.num_blocks,
+            "completed": st.completed,
+            "cancelled": st.cancelled,
+            "started": st.started,
+            "busy_rejections": st.busy_rejections,
+            "now": time.monotonic(),
+        }
+    )
+
+
+async def reset_peak(request: web.Request) -> web.Response:
+    st: State = request.app["state"]
+    st.peak_blocks = st.used_blocks()
+    st.cancelled.clear()
+    st.started.clear()
+    return web.json_response({"ok": True})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+def make_app(args: argparse.Namespace) -> web.Application:
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app["state"] = State(
+        args.num_blocks, args.block_size, args.max_model_len, args.token_delay_ms / 1000, args.busy_after, args.model
+    )
+    app.router.add_post("/v1/completions", generate)
+    app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/health", health)
+    app.router.add_get("/debug/stats", stats)
+    app.router.add_post("/debug/reset", reset_peak)
+    return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--token-delay-ms", type=float, default=0.0)
+    p.add_argument("--busy-after", type=int, default=None, help="reject like vLLM's --max-num-queued-reqs")
+    p.add_argument("--model", default="mini")
+    args = p.parse_args()
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(make_app(args), host=args.host, port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()

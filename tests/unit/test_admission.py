@@ -1,0 +1,234 @@
+"""The admission controller and its ledger, driven with an explicit clock."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.admission import AdmissionController, Admitted, Queued, Rejected, UsageSample
+from gateway.config import AdmissionConfig
+from gateway.cost import KvGeometry, RequestCost
+
+GEO = KvGeometry(block_size=16, num_blocks=100)
+
+
+def make(**cfg: object) -> AdmissionController:
+    c = AdmissionController(AdmissionConfig(**cfg), GEO)  # type: ignore[arg-type]
+    c.begin_sample()
+    c.apply_sample(UsageSample(usage=0.0, taken_at=0.0))
+    return c
+
+
+def rc(blocks: int, prompt: int = 16) -> RequestCost:
+    """A single-sequence request of ``blocks`` blocks whose prompt fills ``prompt`` tokens."""
+    return RequestCost((prompt,), 1, blocks * 16 - prompt, blocks)
+
+
+def test_admits_up_to_the_high_watermark_then_queues() -> None:
+    c = make()
+    assert isinstance(c.submit(rc(50), "t", 0.1), Admitted)
+    assert isinstance(c.submit(rc(40), "t", 0.1), Admitted)  # 90 blocks = 0.90 exactly
+    assert isinstance(c.submit(rc(1), "t", 0.1), Queued)
+
+
+def test_burst_between_scrapes_counts_as_in_flight_credit() -> None:
+    """Without the ledger, 20 x 10 blocks would all pass against a stale 0.0 sample."""
+    c = make(exclusive_upstream=False)
+    decisions = [c.submit(rc(10), "t", 0.1) for _ in range(20)]
+    assert sum(isinstance(d, Admitted) for d in decisions) == 9
+    assert c.projected_blocks(0, 0.1) == 90
+
+
+def test_a_sample_that_shows_admitted_work_does_not_count_it_twice() -> None:
+    c = make(exclusive_upstream=False)
+    a = c.submit(rc(30, prompt=16 * 10), "t", 0.1)
+    assert isinstance(a, Admitted)
+    c.progress(a.reservation, 1, 0.2)  # first token seen: prompt (10 blocks) + 1 token are in the engine
+    c.begin_sample()
+    c.apply_sample(UsageSample(usage=0.11, taken_at=0.3))
+    # 11 blocks observed + 19 still to grow = the 30 reserved, not 11 + 30.
+    assert c.projected_blocks(0, 0.3) == 11 + 30 - 11
+
+
+def test_request_admitted_during_a_scrape_is_not_assumed_inside_it() -> None:
+    c = make(exclusive_upstream=False)
+    c.begin_sample()
+    a = c.submit(rc(30), "t", 0.1)
+    assert isinstance(a, Admitted)
+    c.progress(a.reservation, 5, 0.15)
+    c.apply_sample(UsageSample(usage=0.0, taken_at=0.05))
+    assert c.projected_blocks(0, 0.2) == 30
+
+
+def test_gate_closed_admits_nothing_until_low_watermark() -> None:
+    c = make()
+    c.apply_sample(UsageSample(usage=0.91, taken_at=1.0))
+    assert isinstance(c.submit(rc(1), "t", 1.0), Queued)
+    c.apply_sample(UsageSample(usage=0.85, taken_at=1.2))
+    assert c.pump(1.2) == []
+    c.apply_sample(UsageSample(usage=0.80, taken_at=1.4))
+    assert len(c.pump(1.4)) == 1
+
+
+def test_exclusive_upstream_admits_as_soon_as_a_request_ends() -> None:
+    c = make()
+    first = c.submit(rc(90), "t", 0.1)
+    assert isinstance(first, Admitted)
+    c.progress(first.reservation, 1, 0.2)
+    c.begin_sample()
+    c.apply_sample(UsageSample(usage=0.5, taken_at=0.3))
+    assert isinstance(c.submit(rc(40), "t", 0.3), Queued)
+    c.release(first.reservation, 0.4)
+    assert len(c.pump(0.4)) == 1  # the sample still shows 0.5, but the ledger knows the engine is empty
+
+
+def test_stale_metrics_fall_back_to_the_ledger_under_a_lower_cap() -> None:
+    c = make(stale_after_s=2.0, stale_ledger_cap=0.5)
+    assert isinstance(c.submit(rc(50), "t", 5.0), Admitted)
+    assert isinstance(c.submit(rc(1), "t", 5.0), Queued)
+
+
+def test_hold_policy_admits_nothing_on_stale_metrics() -> None:
+    c = make(stale_after_s=2.0, stale_policy="hold")
+    assert isinstance(c.submit(rc(1), "t", 5.0), Queued)
+
+
+def test_unknown_geometry_admits_nothing() -> None:
+    c = AdmissionController(AdmissionConfig())
+    assert isinstance(c.submit(rc(1), "t", 0.0), Queued)
+
+
+def test_queue_full_is_rejected_with_retry_after_from_the_drain_rate() -> None:
+    c = make(queue_max_length=2)
+    held = [c.submit(rc(45), "t", 0.0) for _ in range(2)]
+    for _ in range(2):
+        assert isinstance(c.submit(rc(45), "t", 0.0), Queued)
+    rejected = c.submit(rc(45), "t", 0.0)
+    assert isinstance(rejected, Rejected) and rejected.reason == "queue_full"
+    for i, d in enumerate(held):
+        assert isinstance(d, Admitted)
+        c.release(d.reservation, 1.0 + i)
+    # two finishes a second apart: 2 per 1.0 s window edge -> about 3 positions / rate
+    assert 1.0 <= c.retry_after(3, 2.0) <= 60.0
+    assert c.retry_after(30, 2.0) > c.retry_after(3, 2.0)
+
+
+def test_fifo_head_blocks_smaller_requests_behind_it() -> None:
+    c = make()
+    assert isinstance(c.submit(rc(80), "t", 0.0), Admitted)
+    big = c.submit(rc(20), "t", 0.0)
+    small = c.submit(rc(5), "t", 0.0)
+    assert isinstance(big, Queued) and isinstance(small, Queued)
+    assert c.pump(0.0) == []  # the 5-block request fits but must not overtake
+
+
+def test_expired_tickets_leave_the_queue() -> None:
+    c = make(queue_max_wait_s=1.0)
+    assert isinstance(c.submit(rc(90), "t", 0.0), Admitted)
+    q = c.submit(rc(5), "t", 0.0)
+    assert isinstance(q, Queued)
+    assert c.expire(0.5) == []
+    assert c.expire(1.0) == [q.ticket]
+    assert len(c.queue) == 0
+
+
+# --- invariants under any interleaving ---------------------------------------------------------------
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(1, 60), st.integers(1, 40)),
+        st.tuples(st.just("progress"), st.integers(0, 50), st.integers(1, 500)),
+        st.tuples(st.just("release"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("cancel"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("sample"), st.integers(0, 100), st.just(0)),
+        st.tuples(st.just("tick"), st.integers(1, 500), st.just(0)),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.booleans())
+def test_projection_never_admits_past_the_high_watermark(script: list[tuple[str, int, int]], exclusive: bool) -> None:
+    """Model the engine exactly: it holds each admitted request's progress, nothing else. Whatever happens,
+    what the engine really holds never exceeds the high watermark, and nothing is left in the ledger."""
+    c = make(exclusive_upstream=exclusive, queue_max_wait_s=5.0)
+    now = 0.0
+    live: list = []
+    tickets: list = []
+    engine_generated: dict[int, int] = {}
+
+    def engine_blocks() -> int:
+        return sum(r.cost.blocks_after(engine_generated.get(r.id, 0), 16) for r in live)
+
+    for op, a, b in script:
+        if op == "submit":
+            d = c.submit(rc(a, prompt=16 * min(a, b)), "t", now)
+            if isinstance(d, Admitted):
+                live.append(d.reservation)
+            elif isinstance(d, Queued):
+                tickets.append(d.ticket)
+        elif op == "progress" and live:
+            r = live[a % len(live)]
+            engine_generated[r.id] = min(r.cost.max_output, engine_generated.get(r.id, 0) + b)
+            # the gateway sees at most what the engine produced
+            c.progress(r, engine_generated[r.id], now)
+        elif op == "release" and live:
+            r = live.pop(a % len(live))
+            assert c.release(r, now)
+            assert not c.release(r, now)
+        elif op == "cancel" and tickets:
+            c.cancel(tickets.pop(a % len(tickets)))
+        elif op == "sample":
+            c.begin_sample()
+            c.apply_sample(UsageSample(usage=engine_blocks() / 100, taken_at=now))
+        elif op == "tick":
+            now += b / 100
+            for t in c.expire(now):
+                tickets.remove(t)
+        for t, res in c.pump(now):
+            tickets.remove(t)
+            live.append(res)
+        # Even if every admitted request grew to its whole reservation right now, the engine would stay
+        # under the high watermark (samples are true when taken, as the engine's are).
+        worst = sum(r.blocks for r in live)
+        assert worst == c.ledger.reserved_blocks
+        assert engine_blocks() <= worst <= 90
+    for r in live:
+        c.release(r, now)
+    assert len(c.ledger) == 0 and c.ledger.reserved_blocks == 0 and c.ledger.outstanding_blocks == 0
+    assert c.ledger.reserved_count == c.ledger.released_count
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_samples_that_lag_behind_admissions_never_let_a_burst_through(script: list[tuple[str, int, int]]) -> None:
+    """Samples here always read 0.0, as if every scrape raced ahead of the burst it should have seen:
+    the in-flight credit alone must keep the worst case under the high watermark, in both modes."""
+    for exclusive in (True, False):
+        c = make(exclusive_upstream=exclusive, queue_max_wait_s=5.0)
+        now = 0.0
+        live: list = []
+        tickets: list = []
+        for op, a, _b in script:
+            if op == "submit":
+                d = c.submit(rc(a), "t", now)
+                if isinstance(d, Admitted):
+                    live.append(d.reservation)
+                elif isinstance(d, Queued):
+                    tickets.append(d.ticket)
+            elif op == "release" and live:
+                c.release(live.pop(a % len(live)), now)
+            elif op == "cancel" and tickets:
+                c.cancel(tickets.pop(a % len(tickets)))
+            elif op == "sample":
+                c.begin_sample()
+                c.apply_sample(UsageSample(usage=0.0, taken_at=now))
+            elif op == "tick":
+                now += 0.01
+                for t in c.expire(now):
+                    tickets.remove(t)
+            for t, res in c.pump(now):
+                tickets.remove(t)
+                live.append(res)
+            assert sum(r.blocks for r in live) <= 90

@@ -1,0 +1,55 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, GatewayConfig, parse_config
+
+
+def test_defaults_match_the_design() -> None:
+    cfg = GatewayConfig()
+    assert (cfg.admission.high_watermark, cfg.admission.low_watermark) == (0.90, 0.80)
+    assert cfg.telemetry.scrape_interval_s <= 0.25
+
+
+def test_errors_carry_yaml_locations() -> None:
+    text = "upstream:\n  url: http://x\nadmission:\n  high_watermark: 1.5\n  queue_max_wait_s: soon\nbogus: 1\n"
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "kv.yaml")
+    assert err.value.errors == [
+        "kv.yaml:4:3: admission.high_watermark: Input should be less than or equal to 1",
+        "kv.yaml:5:3: admission.queue_max_wait_s: Input should be a valid number, unable to parse string as a number",
+        "kv.yaml:6:1: bogus: Extra inputs are not permitted",
+    ]
+
+
+def test_watermarks_must_be_ordered() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config("admission:\n  high_watermark: 0.7\n  low_watermark: 0.8\n", "kv.yaml")
+    assert "low_watermark must be below high_watermark" in err.value.errors[0]
+    assert err.value.errors[0].startswith("kv.yaml:2:3: admission:")
+
+
+def test_yaml_syntax_error_has_a_location() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config("admission:\n  high_watermark: [1\n", "kv.yaml")
+    assert err.value.errors[0].startswith("kv.yaml:3:1: YAML syntax error")
+
+
+def test_flags_override_the_file() -> None:
+    cfg = parse_config("upstream:\n  url: http://a:1\nlisten:\n  port: 9000\n").with_overrides(
+        upstream="http://b:2", port=None, tokenizer="heuristic:3"
+    )
+    assert (cfg.upstream.url, cfg.listen.port, cfg.tokenizer) == ("http://b:2", 9000, "heuristic:3")
+
+
+def test_validate_command(tmp_path: Path) -> None:
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("admission:\n  queue_max_length: 10\n")
+    bad.write_text("admission:\n  queue_max_length: -1\n")
+    ok = subprocess.run([sys.executable, "-m", "gateway", "validate", str(good)], capture_output=True, text=True)
+    assert ok.returncode == 0 and "OK" in ok.stdout
+    no = subprocess.run([sys.executable, "-m", "gateway", "validate", str(bad)], capture_output=True, text=True)
+    assert no.returncode == 1
+    assert f"{bad}:2:3: admission.queue_max_length: Input should be greater than or equal to 0" in no.stderr

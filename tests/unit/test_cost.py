@@ -1,0 +1,62 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.cost import KvGeometry, blocks_for, estimate_cost
+from gateway.errors import GatewayError
+
+GEO = KvGeometry(block_size=16, num_blocks=1000)
+
+
+def cost(prompts: tuple[int, ...], max_tokens: int | None = None, n: int = 1, max_model_len: int | None = 4096):
+    return estimate_cost(prompts, max_tokens=max_tokens, sequences_per_prompt=n, max_model_len=max_model_len,
+                         geometry=GEO, high_watermark=0.9)
+
+
+def test_blocks_round_up_per_sequence() -> None:
+    assert cost((100,), 28).blocks == 8  # 128 tokens = 8 blocks exactly
+    assert cost((100,), 29).blocks == 9
+    assert cost((100,), 28, n=3).blocks == 24
+    assert cost((10, 20), 6).blocks == 1 + 2  # each prompt of a batch is its own sequence
+
+
+def test_missing_max_tokens_reserves_up_to_max_model_len() -> None:
+    c = cost((1000,), None, max_model_len=4096)
+    assert c.max_output == 3096
+    assert c.blocks == 4096 // 16
+
+
+def test_missing_max_tokens_without_max_model_len_is_a_400() -> None:
+    with pytest.raises(GatewayError) as err:
+        cost((10,), None, max_model_len=None)
+    assert err.value.status == 400 and err.value.param == "max_tokens"
+
+
+def test_context_length_exceeded() -> None:
+    with pytest.raises(GatewayError) as err:
+        cost((4000,), 200, max_model_len=4096)
+    assert err.value.code == "context_length_exceeded" and "4200" in err.value.message
+
+
+def test_a_request_that_can_never_fit_names_the_numbers() -> None:
+    with pytest.raises(GatewayError) as err:
+        cost((14000,), 500, max_model_len=None)  # 907 blocks > 900
+    assert err.value.status == 400 and err.value.code == "kv_cache_capacity_exceeded"
+    assert "907" in err.value.message and "900" in err.value.message and "1000" in err.value.message
+
+
+def test_total_tokens_is_what_rate_limits_charge() -> None:
+    c = cost((100, 50), 10, n=2)
+    assert c.total_prompt_tokens == 300 and c.total_tokens == 300 + 10 * 4
+
+
+@given(st.lists(st.integers(1, 2000), min_size=1, max_size=4), st.integers(1, 2000), st.integers(1, 4),
+       st.integers(0, 10_000))
+def test_blocks_after_grows_to_the_reservation(prompts: list[int], out: int, n: int, generated: int) -> None:
+    c = estimate_cost(tuple(prompts), max_tokens=out, sequences_per_prompt=n, max_model_len=None,
+                      geometry=KvGeometry(16, 10**9), high_watermark=0.9)
+    now = c.blocks_after(generated, 16)
+    assert c.blocks_after(0, 16) == n * sum(blocks_for(p, 16) for p in prompts)
+    assert now <= c.blocks
+    assert c.blocks_after(out * c.num_sequences, 16) == c.blocks
+    assert c.blocks_after(generated + 1, 16) >= now

@@ -1,0 +1,69 @@
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.auth import TenantDirectory, key_digest
+from gateway.config import AuthConfig, TenantConfig
+from gateway.errors import GatewayError
+from gateway.ratelimit import RateLimiter, TokenBucket, ratelimit_headers
+
+
+def test_requests_per_minute() -> None:
+    rl = RateLimiter([TenantConfig(name="a", requests_per_minute=2)])
+    assert rl.check("a", 10, 0.0).allowed and rl.check("a", 10, 0.0).allowed
+    third = rl.check("a", 10, 0.0)
+    assert not third.allowed and third.exceeded == "requests" and third.retry_after_s == pytest.approx(30.0)
+    assert rl.check("a", 10, 30.0).allowed
+    assert rl.check("unlimited", 10**9, 0.0).allowed
+
+
+def test_tokens_are_refunded_on_settle() -> None:
+    rl = RateLimiter([TenantConfig(name="a", tokens_per_minute=1000)])
+    assert rl.check("a", 800, 0.0).allowed
+    assert not rl.check("a", 800, 0.0).allowed
+    rl.settle("a", charged=800, actual=100, now=0.0)
+    assert rl.check("a", 800, 0.0).allowed
+
+
+def test_never_fits() -> None:
+    rl = RateLimiter([TenantConfig(name="a", tokens_per_minute=100)])
+    d = rl.check("a", 101, 0.0)
+    assert not d.allowed and math.isinf(d.retry_after_s)
+
+
+def test_headers() -> None:
+    rl = RateLimiter([TenantConfig(name="a", requests_per_minute=10, tokens_per_minute=100)])
+    headers = dict(ratelimit_headers(rl.check("a", 40, 0.0)))
+    assert headers[b"x-ratelimit-limit-requests"] == b"10"
+    assert headers[b"x-ratelimit-remaining-requests"] == b"9"
+    assert headers[b"x-ratelimit-remaining-tokens"] == b"60"
+    assert headers[b"x-ratelimit-reset-tokens"] == b"24.000s"
+
+
+@given(st.lists(st.tuples(st.floats(0, 10), st.integers(0, 50)), max_size=50))
+def test_bucket_never_exceeds_capacity_or_goes_negative(steps: list[tuple[float, int]]) -> None:
+    b = TokenBucket(100, 60.0, 0.0)
+    now = 0.0
+    for dt, amount in steps:
+        now += dt
+        if b.wait_for(amount, now) == 0:
+            b.take(amount, now)
+        assert 0 <= b.available(now) <= 100
+
+
+def test_auth_plain_and_hashed_keys() -> None:
+    d = TenantDirectory(AuthConfig(), [TenantConfig(name="a", api_keys=["k1", "sha256:" + key_digest("k2")])])
+    assert d.authenticate(b"Bearer k1") == "a" and d.authenticate(b"Bearer k2") == "a"
+    assert d.authenticate(None) == "default"
+    with pytest.raises(GatewayError) as err:
+        d.authenticate(b"Bearer wrong")
+    assert err.value.status == 401
+
+
+def test_auth_required() -> None:
+    d = TenantDirectory(AuthConfig(require_api_key=True), [TenantConfig(name="a", api_keys=["k1"])])
+    with pytest.raises(GatewayError) as err:
+        d.authenticate(None)
+    assert err.value.status == 401 and err.value.code == "missing_api_key"
