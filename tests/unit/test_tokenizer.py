@@ -79,7 +79,8 @@ def test_tiktoken_from_a_local_rank_file(tmp_path: Path) -> None:
     assert isinstance(tok, TiktokenTokenizer)
     assert tok.encode("the") == [257]
     assert tok.encode(" the lazy") == [258, 261, ord("z"), ord("y")]  # " the" and " la" merge
-    assert tok.count_messages([{"role": "user", "content": "the"}]) == 3 + 1 + 4 + 3
+    # 3 per message + "the" (1) + "user" (u, s, er: 3) + 3 to prime the reply
+    assert tok.count_messages([{"role": "user", "content": "the"}]) == 3 + 1 + 3 + 3
 
 
 def test_tiktoken_by_name_offline_explains_itself(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
