@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from deploy_support import FIXTURES, Manifest, dashboard, prometheus_rule_groups
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 _KEYWORDS = {
@@ -69,15 +70,33 @@ def dashboard_template_queries(board: dict[str, Any]) -> Iterable[tuple[str, str
             yield var["name"], q["query"] if isinstance(q, dict) else q
 
 
+_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "info": ("_info",),
+    "stateset": ("",),
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+}
+
+
+def series_names(families: Iterable[Metric]) -> set[str]:
+    """Series names a scrape can carry, from each family's type: a labelled counter that has not been
+    incremented yet exposes no sample, but it is exported all the same."""
+    names = set()
+    for family in families:
+        names |= {family.name + suffix for suffix in _SUFFIXES.get(family.type, ("",))}
+        names |= {s.name for s in family.samples}
+    return names
+
+
 def kvgate_exported() -> set[str]:
     metrics = pytest.importorskip("gateway.metrics", reason="gateway/metrics.py not importable")
-    registry = metrics.GatewayMetrics().registry
-    return {s.name for family in registry.collect() for s in family.samples}
+    return series_names(metrics.GatewayMetrics().registry.collect())
 
 
 def vllm_exported() -> set[str]:
-    text = (FIXTURES / "vllm-metrics.txt").read_text()
-    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    return series_names(text_string_to_metric_families((FIXTURES / "vllm-metrics.txt").read_text()))
 
 
 def unknown_names(queries: Iterable[tuple[str, str]], exported: set[str]) -> list[str]:
