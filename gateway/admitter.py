@@ -99,6 +99,9 @@ class Admitter:
         self.pump()
 
     def _on_admitted(self, waited_s: float) -> None:
+        projected = self.controller.projected_usage(self.clock())
+        if projected is not None:
+            self.metrics.projected_at_admission.observe(projected)
         self.metrics.admitted.inc()
         self.metrics.queue_wait.observe(waited_s)
         self.metrics.inflight.set(len(self.controller.ledger))
@@ -118,6 +121,7 @@ class Admitter:
             _, future, timer = self._waiters.pop(ticket.id)
             timer.cancel()
             if future.done():  # cancelled while we were deciding: give the blocks straight back
+                self.metrics.admitted.inc()
                 self.release(reservation, "client_disconnect")
             else:
                 future.set_result(reservation)

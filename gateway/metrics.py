@@ -35,6 +35,12 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.projected_at_admission = Histogram(
+            "kvgate_admission_projected_usage",
+            "Projected KV usage (0..1) right after each admission: never above the high watermark",
+            buckets=(0.25, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0),
+            registry=r,
+        )
         self.admitted = Counter("kvgate_requests_admitted", "Requests admitted to the engine", registry=r)
         self.rejected = Counter(
             "kvgate_requests_rejected",

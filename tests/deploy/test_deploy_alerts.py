@@ -27,9 +27,7 @@ REQUIRED_ALERTS = {
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [require_tool("promtool"), *args], capture_output=True, text=True, timeout=120, check=False
-    )
+    return subprocess.run([require_tool("promtool"), *args], capture_output=True, text=True, timeout=120, check=False)
 
 
 def write_rules(directory: Path, groups: list[Manifest], annotations: bool = True) -> Path:
@@ -81,9 +79,10 @@ def test_alert_unit_tests_fail_when_a_threshold_drifts(groups: list[Manifest], t
     drifted = copy.deepcopy(groups)
     rule = next(r for g in drifted for r in g["rules"] if r.get("alert") == "KvgateKVUsageAboveHighWatermark")
     rule["expr"] = rule["expr"].replace("> 0.90", "> 0.99")
-    assert rule["expr"] != next(
-        r for g in groups for r in g["rules"] if r.get("alert") == "KvgateKVUsageAboveHighWatermark"
-    )["expr"]
+    assert (
+        rule["expr"]
+        != next(r for g in groups for r in g["rules"] if r.get("alert") == "KvgateKVUsageAboveHighWatermark")["expr"]
+    )
     proc = unit_test(tmp_path, drifted)
     assert proc.returncode != 0
     assert "KvgateKVUsageAboveHighWatermark" in proc.stdout + proc.stderr

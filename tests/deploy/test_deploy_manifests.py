@@ -7,8 +7,12 @@ reaches the hot reload).
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,7 +21,7 @@ import jsonschema
 import pytest
 import yaml
 from crd_schemas import SCHEMAS
-from deploy_support import OVERLAYS, Manifest, containers, dashboard, find, kustomize, one
+from deploy_support import OVERLAYS, REPO, Manifest, containers, dashboard, find, kustomize, one
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate missing; install: python3 -m pip install kubernetes-validate"
@@ -114,8 +118,11 @@ def test_every_selector_matches_a_pod(rendered: dict[str, list[Manifest]], overl
     for w in pod_templates(docs):
         assert selects(w["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
     for sm in find(docs, "ServiceMonitor"):
-        services = [s for s in find(docs, "Service") if selects(sm["spec"]["selector"]["matchLabels"],
-                                                               s["metadata"].get("labels", {}))]
+        services = [
+            s
+            for s in find(docs, "Service")
+            if selects(sm["spec"]["selector"]["matchLabels"], s["metadata"].get("labels", {}))
+        ]
         assert services, f"ServiceMonitor {sm['metadata']['name']} selects no Service"
         port_names = {p["name"] for s in services for p in s["spec"]["ports"]}
         assert {e["port"] for e in sm["spec"]["endpoints"]} <= port_names
@@ -160,19 +167,85 @@ def test_sidecar_engine_is_reachable_only_through_kvgate(rendered: dict[str, lis
     assert "http" in {p["name"] for p in gate["ports"]}
 
 
-def test_sidecar_shutdown_order_lets_streams_drain(rendered: dict[str, list[Manifest]]) -> None:
-    """vLLM must outlive kvgate's drain: its preStop waits for kvgate's port to close, within the grace."""
-    workload = one(rendered["sidecar"], "Deployment", "vllm")
-    grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    gate, vllm = containers(workload)["kvgate"], containers(workload)["vllm"]
-    sleep = int(gate["lifecycle"]["preStop"]["exec"]["command"][-1])
-    script = vllm["lifecycle"]["preStop"]["exec"]["command"][-1]
-    wait = re.search(r"time\.monotonic\(\) \+ (\d+)", script)
-    assert wait and "8080" in script
-    assert sleep < int(wait.group(1)) < grace
-    assert grace >= 60, "long streams need time to finish"
-    # The script must be valid Python: a syntax error would make the hook fail at once and vLLM stop early.
+def engine_prestop(docs: list[Manifest]) -> str:
+    vllm = containers(one(docs, "Deployment", "vllm"))["vllm"]
+    script: str = vllm["lifecycle"]["preStop"]["exec"]["command"][-1]
+    return script
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_shutdown_budget_covers_the_drain(rendered: dict[str, list[Manifest]], overlay: str) -> None:
+    """kvgate's preStop + drain deadline fit in its grace period, and vLLM outlives kvgate's drain."""
+    serve = pytest.importorskip("gateway.serve")
+    docs = rendered[overlay]
+    for w in pod_templates(docs):
+        gate = containers(w).get("kvgate")
+        if gate is None:
+            continue
+        grace = w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        sleep = int(gate["lifecycle"]["preStop"]["exec"]["command"][-1])
+        assert sleep + serve.DRAIN_DEADLINE_S + 5 <= grace, w["metadata"]["name"]
+    engine = one(docs, "Deployment", "vllm")["spec"]["template"]["spec"]
+    max_wait = re.search(r'"PRESTOP_MAX_WAIT_S", "(\d+)"', engine_prestop(docs))
+    assert max_wait and 5 + serve.DRAIN_DEADLINE_S < int(max_wait.group(1)) < engine["terminationGracePeriodSeconds"]
+
+
+def _free_listener() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+def _start_prestop(script: str, gateway: int, engine: int, max_wait: float) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "PRESTOP_GATEWAY_PORT": str(gateway),
+        "PRESTOP_ENGINE_PORT": str(engine),
+        "PRESTOP_MIN_WAIT_S": "0",
+        "PRESTOP_MAX_WAIT_S": str(max_wait),
+    }
+    return subprocess.Popen([sys.executable, "-c", script], env=env)
+
+
+def _still_running(proc: subprocess.Popen[bytes], seconds: float) -> bool:
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
+def test_engine_prestop_waits_for_the_gateway_to_let_go(rendered: dict[str, list[Manifest]]) -> None:
+    """Run vLLM's real preStop script: it holds while the gateway listens, then while a connection to the
+    engine is open (a stream being drained), and returns once both are gone."""
+    script = engine_prestop(rendered["sidecar"])
     compile(script, "preStop", "exec")
+    gateway, engine = _free_listener(), _free_listener()
+    client = socket.create_connection(engine.getsockname())
+    server_side, _ = engine.accept()
+    proc = _start_prestop(script, gateway.getsockname()[1], engine.getsockname()[1], max_wait=30)
+    try:
+        assert _still_running(proc, 1.0), "returned while the gateway was still listening"
+        gateway.close()
+        assert _still_running(proc, 1.5), "returned while a stream to the engine was still open"
+        client.close()
+        server_side.close()
+        assert proc.wait(timeout=5) == 0
+    finally:
+        proc.kill()
+        for s in (gateway, engine, client, server_side):
+            s.close()
+
+
+def test_engine_prestop_gives_up_at_its_deadline(rendered: dict[str, list[Manifest]]) -> None:
+    gateway = _free_listener()
+    try:
+        proc = _start_prestop(engine_prestop(rendered["sidecar"]), gateway.getsockname()[1], 1, max_wait=1)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        gateway.close()
 
 
 def test_standalone_gateways_share_redis_and_fence_the_engine(rendered: dict[str, list[Manifest]]) -> None:
@@ -192,8 +265,9 @@ def test_standalone_gateways_share_redis_and_fence_the_engine(rendered: dict[str
     policies = {p["metadata"]["name"]: p for p in find(docs, "NetworkPolicy")}
     fence = policies["vllm-from-kvgate-only"]["spec"]
     assert selects(fence["podSelector"]["matchLabels"], engine["spec"]["template"]["metadata"]["labels"])
-    allowed = [src["podSelector"]["matchLabels"] for rule in fence["ingress"] for src in rule["from"]
-               if "podSelector" in src]
+    allowed = [
+        src["podSelector"]["matchLabels"] for rule in fence["ingress"] for src in rule["from"] if "podSelector" in src
+    ]
     assert allowed == [{"app.kubernetes.io/name": "kvgate"}]
     assert one(docs, "Service", "kvgate")["spec"]["selector"] == {"app.kubernetes.io/name": "kvgate"}
 
@@ -245,14 +319,29 @@ def test_dashboard_configmap_is_loadable(rendered: dict[str, list[Manifest]], ov
 
 def test_docs_commands_name_real_paths() -> None:
     """Every deploy/ path and kubectl -k target in docs/deploy.md exists, so copy-paste works."""
-    from deploy_support import REPO
-
     doc = (REPO / "docs" / "deploy.md").read_text()
     paths = set(re.findall(r"(?<![\w/.])(deploy/[\w./-]+[\w])", doc))
-    assert paths
+    assert {"deploy/overlays/sidecar", "deploy/overlays/standalone"} <= paths
     missing = [p for p in sorted(paths) if not (REPO / p).exists()]
     assert missing == []
-    for line in doc.splitlines():
-        if "kubectl" in line and " -k " in line:
-            target = shlex.split(line.split("#")[0])[-1]
-            assert (REPO / target / "kustomization.yaml").exists(), line
+    targets = [shlex.split(line)[-1] for line in doc.splitlines() if line.startswith("kubectl") and " -k " in line]
+    assert targets
+    for target in targets:
+        assert target == "my-llm" or (REPO / target / "kustomization.yaml").exists(), target
+
+
+def test_docs_custom_overlay_example_renders(kubectl: str, deploy_copy: Path) -> None:
+    """The "your model" overlay in docs/deploy.md renders and changes what it says it changes."""
+    doc = (REPO / "docs" / "deploy.md").read_text()
+    m = re.search(r"cat > my-llm/kustomization.yaml <<'EOF'\n(.*?)\nEOF\n", doc, re.S)
+    assert m, "the example overlay is missing from docs/deploy.md"
+    overlay = deploy_copy.parent / "my-llm"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(m.group(1))
+    docs = kustomize(kubectl, overlay)
+    engine = one(docs, "Deployment", "vllm")
+    assert engine["spec"]["replicas"] == 2
+    env = {e["name"]: e.get("value") for e in containers(engine)["vllm"]["env"]}
+    assert env["MODEL"] == "meta-llama/Llama-3.1-8B-Instruct" and "HF_TOKEN" in env
+    assert containers(engine)["kvgate"]["image"] == "registry.example.com/kvgate:0.1.0"
+    assert validation_errors(docs, K8S_VERSIONS[-1]) == []

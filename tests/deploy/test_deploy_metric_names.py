@@ -17,8 +17,20 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 _KEYWORDS = {
-    "and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left", "group_right",
-    "inf", "nan", "atan2",
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "inf",
+    "nan",
+    "atan2",
 }
 _GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^()]*\)")
 _IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -33,7 +45,7 @@ def metric_names(expr: str) -> set[str]:
     text = re.sub(r"\$\w+", " ", text)
     names = set()
     for m in _IDENT.finditer(text):
-        rest = text[m.end():].lstrip()
+        rest = text[m.end() :].lstrip()
         if rest.startswith("(") or m.group().lower() in _KEYWORDS:
             continue
         if m.start() > 0 and (text[m.start() - 1].isdigit() or text[m.start() - 1] == "."):
@@ -110,7 +122,7 @@ def unknown_names(queries: Iterable[tuple[str, str]], exported: set[str]) -> lis
 
 def test_extractor() -> None:
     expr = (
-        'histogram_quantile(0.95, sum by (namespace, le) (rate(kvgate_queue_wait_seconds_bucket'
+        "histogram_quantile(0.95, sum by (namespace, le) (rate(kvgate_queue_wait_seconds_bucket"
         '{namespace="$namespace", reason=~"a|b"}[$__rate_interval]))) > 1e3 and on (pod) '
         "max_over_time(vllm:kv_cache_usage_perc[5m:1m] offset 5m) > bool 0.9 unless absent(kvgate_ready)"
     )

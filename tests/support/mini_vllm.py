@@ -70,7 +70,7 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
 def _error(status: int, message: str, type_: str) -> web.Response:
     return web.Response(
         status=status,
-        body=orjson.dumps({"object": "error", "message": message, "type": type_, "param": None, "code": status}),
+        body=orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": status}}),
         content_type="application/json",
     )
 

@@ -28,11 +28,22 @@ def free_port() -> int:
 class Proc:
     """A child process in its own process group, with its output in a temp file for failure messages."""
 
-    def __init__(self, argv: Sequence[str], ready_url: str, *, env: dict[str, str] | None = None,
-                 ready_status: int = 200, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        ready_url: str,
+        *,
+        env: dict[str, str] | None = None,
+        ready_status: int = 200,
+        timeout_s: float = 30.0,
+    ) -> None:
         self.log = tempfile.NamedTemporaryFile(prefix="kvgate-test-", suffix=".log", delete=False)
         self.popen = subprocess.Popen(
-            list(argv), cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            list(argv),
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self.wait_ready(ready_url, ready_status, timeout_s)
@@ -85,13 +96,27 @@ def start_mini_vllm(**opts: object) -> tuple[Proc, str]:
     return Proc(argv, url + "/health"), url
 
 
-def start_gateway(upstream: str, config: dict[str, object] | None = None, *, ready: bool = True,
-                  extra_args: Sequence[str] = ()) -> tuple[Proc, str]:
+def start_gateway(
+    upstream: str, config: dict[str, object] | None = None, *, ready: bool = True, extra_args: Sequence[str] = ()
+) -> tuple[Proc, str]:
     port = free_port()
     cfg_file = tempfile.NamedTemporaryFile("w", prefix="kvgate-", suffix=".yaml", delete=False)
     yaml.safe_dump(config or {}, cfg_file)
     cfg_file.close()
-    argv = [sys.executable, "-m", "gateway", "serve", "--upstream", upstream, "--host", "127.0.0.1",
-            "--port", str(port), "--config", cfg_file.name, *extra_args]
+    argv = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "serve",
+        "--upstream",
+        upstream,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--config",
+        cfg_file.name,
+        *extra_args,
+    ]
     url = f"http://127.0.0.1:{port}"
     return Proc(argv, url + ("/readyz" if ready else "/healthz")), url

@@ -96,8 +96,7 @@ async def test_cancel_in_the_instant_of_admission_returns_the_blocks() -> None:
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["submit", "complete", "fail", "disconnect", "timeout", "sample"]),
-              st.integers(0, 60)),
+    st.tuples(st.sampled_from(["submit", "complete", "fail", "disconnect", "timeout", "sample"]), st.integers(0, 60)),
     max_size=60,
 )
 

@@ -9,8 +9,14 @@ GEO = KvGeometry(block_size=16, num_blocks=1000)
 
 
 def cost(prompts: tuple[int, ...], max_tokens: int | None = None, n: int = 1, max_model_len: int | None = 4096):
-    return estimate_cost(prompts, max_tokens=max_tokens, sequences_per_prompt=n, max_model_len=max_model_len,
-                         geometry=GEO, high_watermark=0.9)
+    return estimate_cost(
+        prompts,
+        max_tokens=max_tokens,
+        sequences_per_prompt=n,
+        max_model_len=max_model_len,
+        geometry=GEO,
+        high_watermark=0.9,
+    )
 
 
 def test_blocks_round_up_per_sequence() -> None:
@@ -50,11 +56,21 @@ def test_total_tokens_is_what_rate_limits_charge() -> None:
     assert c.total_prompt_tokens == 300 and c.total_tokens == 300 + 10 * 4
 
 
-@given(st.lists(st.integers(1, 2000), min_size=1, max_size=4), st.integers(1, 2000), st.integers(1, 4),
-       st.integers(0, 10_000))
+@given(
+    st.lists(st.integers(1, 2000), min_size=1, max_size=4),
+    st.integers(1, 2000),
+    st.integers(1, 4),
+    st.integers(0, 10_000),
+)
 def test_blocks_after_grows_to_the_reservation(prompts: list[int], out: int, n: int, generated: int) -> None:
-    c = estimate_cost(tuple(prompts), max_tokens=out, sequences_per_prompt=n, max_model_len=None,
-                      geometry=KvGeometry(16, 10**9), high_watermark=0.9)
+    c = estimate_cost(
+        tuple(prompts),
+        max_tokens=out,
+        sequences_per_prompt=n,
+        max_model_len=None,
+        geometry=KvGeometry(16, 10**9),
+        high_watermark=0.9,
+    )
     now = c.blocks_after(generated, 16)
     assert c.blocks_after(0, 16) == n * sum(blocks_for(p, 16) for p in prompts)
     assert now <= c.blocks

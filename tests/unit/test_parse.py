@@ -10,9 +10,18 @@ def parse(endpoint: str, body: object):
 
 
 def test_chat_fields() -> None:
-    r = parse("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 2,
-                       "max_completion_tokens": 7, "max_tokens": 99, "stream": True,
-                       "stream_options": {"include_usage": True}})
+    r = parse(
+        "chat",
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "n": 2,
+            "max_completion_tokens": 7,
+            "max_tokens": 99,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert (r.model, r.sequences_per_prompt, r.max_tokens, r.stream, r.include_usage) == ("m", 2, 7, True, True)
 
 

@@ -1,0 +1,169 @@
+"""The gateway as a real process in front of a real (small, vLLM-like) HTTP server, driven by the OpenAI SDK."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+
+from tests.support.scrape import assert_ledger_empty, scrape
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def pair(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> tuple[str, str]:
+    upstream = mini_vllm(token_delay_ms=1)
+    return upstream, gateway(upstream, {"tokenizer": "heuristic"})
+
+
+def test_sdk_chat_and_completions_unchanged_through_the_gateway(pair: tuple[str, str]) -> None:
+    upstream, gw = pair
+    direct = openai.OpenAI(base_url=upstream + "/v1", api_key="x")
+    via = openai.OpenAI(base_url=gw + "/v1", api_key="x")
+    msgs = [{"role": "user", "content": "Say something"}]
+    for client in (direct, via):
+        chat = client.chat.completions.create(model="mini", messages=msgs, max_tokens=5)  # type: ignore[arg-type]
+        assert chat.choices[0].message.content == " tok" * 5
+        assert chat.usage is not None and chat.usage.completion_tokens == 5
+        comp = client.completions.create(model="mini", prompt="hello there", max_tokens=4)
+        assert comp.choices[0].text == " tok" * 4
+        stream = client.chat.completions.create(
+            model="mini",
+            messages=msgs,
+            max_tokens=6,
+            stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " tok" * 6
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+        text = "".join(
+            c.choices[0].text
+            for c in client.completions.create(model="mini", prompt=[1, 2, 3], max_tokens=3, stream=True)
+        )
+        assert text == " tok" * 3
+    m = assert_ledger_empty(gw)
+    assert m["kvgate_requests_admitted_total"] == 4
+    assert m["kvgate_prompt_tokens_estimated_total"] == m["kvgate_prompt_tokens_actual_total"] > 0
+
+
+def test_passthrough_keeps_status_body_and_headers(pair: tuple[str, str]) -> None:
+    upstream, gw = pair
+    for method, path, body in [
+        ("GET", "/v1/models", None),
+        ("POST", "/tokenize", {"prompt": "abcdefgh"}),
+        ("GET", "/nope", None),
+    ]:
+        a = httpx.request(method, upstream + path, json=body)
+        b = httpx.request(method, gw + path, json=body)
+        assert (a.status_code, a.content) == (b.status_code, b.content)
+        assert a.headers.get("x-upstream") == b.headers.get("x-upstream")
+        assert "transfer-encoding" not in b.headers or "content-length" not in b.headers
+
+
+def test_streams_are_relayed_chunk_by_chunk(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:
+    """With 50 ms between tokens, the client must see each event when it is produced, not at the end."""
+    upstream = mini_vllm(token_delay_ms=50)
+    gw = gateway(upstream, {"tokenizer": "heuristic"})
+    arrivals = []
+    import time
+
+    with httpx.stream("POST", gw + "/v1/completions", json={"prompt": "x", "max_tokens": 8, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    assert len(arrivals) == 8
+    # buffered relaying would deliver everything at once: gaps ~0. Each gap is one token delay.
+    assert sorted(gaps)[len(gaps) // 2] > 0.5 * 0.050
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"{not json", 400, None),
+        (b'{"prompt": 12}', 400, None),
+        (b'{"prompt": "x", "max_tokens": 5000}', 400, "context_length_exceeded"),
+        (b'{"prompt": "x", "max_tokens": 4000, "n": 2}', 400, "kv_cache_capacity_exceeded"),
+        (b'{"prompt": "x", "max_tokens": 5, "model": "other"}', 404, None),
+    ],
+)
+def test_errors_are_openai_shaped(pair: tuple[str, str], body: bytes, status: int, code: str | None) -> None:
+    _, gw = pair
+    r = httpx.post(gw + "/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert {"message", "type", "param", "code"} <= set(error)
+    if code is not None:
+        assert error["code"] == code
+    assert_ledger_empty(gw)
+
+
+def test_oversized_body_is_413(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:
+    gw = gateway(mini_vllm(), {"tokenizer": "heuristic", "limits": {"max_body_bytes": 2048}})
+    r = httpx.post(gw + "/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+
+
+def test_sdk_backs_off_on_429_retry_after(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:
+    """600 tokens/minute refill 10 per second. A request for 1 + 304 tokens leaves 295; the next one is short by
+    10 tokens, so it gets a 429 with Retry-After of about 1 s. The SDK waits that long by itself and succeeds."""
+    gw = gateway(
+        mini_vllm(),
+        {"tokenizer": "heuristic", "tenants": [{"name": "a", "api_keys": ["key-a"], "tokens_per_minute": 600}]},
+    )
+    body = {"prompt": "x", "max_tokens": 304}
+    raw = httpx.post(gw + "/v1/completions", json=body, headers={"authorization": "Bearer key-a"})
+    assert raw.status_code == 200 and raw.headers["x-ratelimit-limit-tokens"] == "600"
+    limited = httpx.post(gw + "/v1/completions", json=body, headers={"authorization": "Bearer key-a"})
+    assert limited.status_code == 429 and limited.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(limited.headers["retry-after"]) <= 2 and 0 < int(limited.headers["retry-after-ms"]) <= 2000
+    client = openai.OpenAI(base_url=gw + "/v1", api_key="key-a", max_retries=3)
+    out = client.completions.create(model="mini", prompt="x", max_tokens=304)
+    assert out.choices[0].text == " tok" * 304
+    m = scrape(gw)
+    assert m["kvgate_requests_rejected_total{reason=rate_limited}"] >= 2  # the raw one and the SDK's first try
+    assert_ledger_empty(gw)
+
+
+def test_engine_busy_in_both_forms_becomes_503_with_retry_after(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
+) -> None:
+    upstream = mini_vllm(busy_after=0)  # vLLM with a full --max-num-queued-reqs queue: rejects everything
+    gw = gateway(upstream, {"tokenizer": "heuristic"})
+    plain = httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    streamed = httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
+    for r in (plain, streamed):
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_busy"
+        assert "retry-after" in r.headers and "retry-after-ms" in r.headers
+    m = assert_ledger_empty(gw)
+    assert m["kvgate_upstream_busy_total{form=status}"] == 1 and m["kvgate_upstream_busy_total{form=sse}"] == 1
+    assert m["kvgate_reservations_released_total{outcome=upstream_busy}"] == 2
+
+
+def test_request_id_is_propagated(pair: tuple[str, str]) -> None:
+    _, gw = pair
+    r = httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "abc-1"})
+    assert r.headers["x-request-id"] == "abc-1"
+    assert len(httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).headers["x-request-id"]) == 16
+
+
+def test_health_and_readiness(mini_vllm: Callable[..., str], gateway: Callable[..., str], procs: list) -> None:
+    upstream = mini_vllm()
+    gw = gateway(upstream, {"tokenizer": "heuristic", "admission": {"stale_after_s": 0.5}})
+    assert httpx.get(gw + "/healthz").status_code == 200
+    assert httpx.get(gw + "/readyz").json()["ready"] is True
+    procs[0].stop()  # the engine dies
+    import time
+
+    deadline = time.monotonic() + 10
+    while httpx.get(gw + "/readyz").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ready = httpx.get(gw + "/readyz")
+    assert ready.status_code == 503 and "stale" in ready.json()["reason"]
+    assert httpx.get(gw + "/healthz").status_code == 200
+    assert scrape(gw)["kvgate_scrape_errors_total"] >= 1
