@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import httpx
@@ -75,7 +76,7 @@ def test_streams_are_relayed_chunk_by_chunk(mini_vllm: Callable[..., str], gatew
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 arrivals.append(time.monotonic())
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert len(arrivals) == 8
     # buffered relaying would deliver everything at once: gaps ~0. Each gap is one token delay.
     assert sorted(gaps)[len(gaps) // 2] > 0.5 * 0.050

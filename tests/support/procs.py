@@ -37,7 +37,7 @@ class Proc:
         ready_status: int = 200,
         timeout_s: float = 30.0,
     ) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix="kvgate-test-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix="kvgate-test-", suffix=".log", delete=False)  # noqa: SIM115
         self.popen = subprocess.Popen(
             list(argv),
             cwd=ROOT,
@@ -100,9 +100,8 @@ def start_gateway(
     upstream: str, config: dict[str, object] | None = None, *, ready: bool = True, extra_args: Sequence[str] = ()
 ) -> tuple[Proc, str]:
     port = free_port()
-    cfg_file = tempfile.NamedTemporaryFile("w", prefix="kvgate-", suffix=".yaml", delete=False)
-    yaml.safe_dump(config or {}, cfg_file)
-    cfg_file.close()
+    with tempfile.NamedTemporaryFile("w", prefix="kvgate-", suffix=".yaml", delete=False) as cfg_file:
+        yaml.safe_dump(config or {}, cfg_file)
     argv = [
         sys.executable,
         "-m",

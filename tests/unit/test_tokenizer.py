@@ -65,7 +65,7 @@ def test_hf_chat_template_is_applied(hf_dir: Path) -> None:
 
 
 def test_hf_missing_file_says_what_is_missing(tmp_path: Path) -> None:
-    with pytest.raises(TokenizerUnavailable, match="tokenizer.json"):
+    with pytest.raises(TokenizerUnavailable, match=r"tokenizer\.json"):
         load_tokenizer(f"hf:{tmp_path}")
 
 
