@@ -273,7 +273,8 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(make_app(args), host=args.host, port=args.port, access_log=None, print=None)
+    # vLLM aborts a non-streaming request when its client goes away (with_cancellation); so do we.
+    web.run_app(make_app(args), host=args.host, port=args.port, access_log=None, print=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":
