@@ -1,9 +1,9 @@
 # syntax=docker/dockerfile:1
 # kvgate: KV-cache-aware admission gateway in front of vLLM.
 #   docker build -t kvgate:0.1.0 .
-#   docker run --rm -p 8080:8080 -v "$PWD/kvgate.yaml:/etc/kvgate/kvgate.yaml:ro" kvgate:0.1.0
-# Flags after the image name replace the default CMD, e.g. `... kvgate:0.1.0 --config /etc/kvgate/kvgate.yaml
-# --upstream http://vllm:8000`.
+#   docker run --rm -p 8080:8080 -e KVGATE_UPSTREAM=http://vllm:8000 \
+#     -v "$PWD/kvgate.yaml:/etc/kvgate/kvgate.yaml:ro" kvgate:0.1.0
+# Flags after the image name replace the default CMD (so repeat --config /etc/kvgate/kvgate.yaml with them).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -42,6 +42,8 @@ EXPOSE 8080
 # slim has no curl: probe /healthz with the standard library. Exit 0 only on HTTP 200.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request as u; r = u.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('KVGATE_PORT', '8080'), timeout=2); sys.exit(0 if r.status == 200 else 1)"]
-# exec form: kvgate is PID 1 and receives SIGTERM directly, which starts its graceful drain.
-ENTRYPOINT ["kvgate", "serve"]
+# Configuration, lowest precedence first: the mounted file (CMD's --config), then KVGATE_* variables, then
+# flags given to `docker run`. sh only maps the variables to flags and then execs kvgate, so kvgate is PID 1
+# and receives SIGTERM directly, which starts its graceful drain. KVGATE_PORT also tells HEALTHCHECK the port.
+ENTRYPOINT ["/bin/sh", "-c", "exec kvgate serve ${KVGATE_UPSTREAM:+--upstream \"$KVGATE_UPSTREAM\"} ${KVGATE_PORT:+--port \"$KVGATE_PORT\"} ${KVGATE_TOKENIZER:+--tokenizer \"$KVGATE_TOKENIZER\"} ${KVGATE_LOG_LEVEL:+--log-level \"$KVGATE_LOG_LEVEL\"} \"$@\"", "kvgate"]
 CMD ["--config", "/etc/kvgate/kvgate.yaml"]

@@ -136,11 +136,41 @@ def test_runtime_stage_is_non_root_multi_stage_and_runs_kvgate_serve() -> None:
     assert not any(k == "RUN" and ("[test]" in a or "pip install" in a) for k, a in final)
     entrypoint = json.loads(next(a for k, a in final if k == "ENTRYPOINT"))
     cmd = json.loads(next(a for k, a in final if k == "CMD"))
-    assert entrypoint == ["kvgate", "serve"]
+    assert entrypoint[:2] == ["/bin/sh", "-c"] and entrypoint[2].startswith("exec kvgate serve ")
     assert cmd == ["--config", "/etc/kvgate/kvgate.yaml"]
+
+
+def run_entrypoint(tmp_path: Path, env: dict[str, str], args: list[str]) -> tuple[list[str], int, int]:
+    """Run the image's ENTRYPOINT shell line with a stand-in `kvgate` that reports its argv and pid."""
+    final = final_stage(instructions(DOCKERFILE.read_text()))
+    entrypoint = json.loads(next(a for k, a in final if k == "ENTRYPOINT"))
+    fake = tmp_path / "kvgate"
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys\nprint(json.dumps([sys.argv[1:], os.getpid()]))\n")
+    fake.chmod(0o755)
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    proc = subprocess.Popen(
+        ["sh", *entrypoint[1:], *args], env={**clean, **env, "PATH": f"{tmp_path}:{os.environ['PATH']}"},
+        stdout=subprocess.PIPE, text=True,
+    )
+    out, _ = proc.communicate(timeout=30)
+    argv, pid = json.loads(out)
+    return argv, pid, proc.pid
+
+
+def test_entrypoint_maps_environment_to_flags(tmp_path: Path) -> None:
+    """File < KVGATE_* variables < docker run flags; values keep their spaces; kvgate replaces the shell."""
+    cmd = ["--config", "/etc/kvgate/kvgate.yaml"]
+    argv, pid, shell_pid = run_entrypoint(tmp_path, {}, cmd)
+    assert argv == ["serve", *cmd]
+    assert pid == shell_pid, "sh must exec kvgate, or SIGTERM would stop at the shell"
+    env = {"KVGATE_UPSTREAM": "http://vllm:8000", "KVGATE_PORT": "9000", "KVGATE_TOKENIZER": "heuristic:3.5",
+           "KVGATE_LOG_LEVEL": "debug"}
+    argv, _, _ = run_entrypoint(tmp_path, env, [*cmd, "--upstream", "http://other host:1"])
     cli = pytest.importorskip("gateway.cli")
-    args = cli.build_parser().parse_args([*entrypoint[1:], *cmd])
-    assert args.config == "/etc/kvgate/kvgate.yaml"
+    parsed = cli.build_parser().parse_args(argv)
+    assert parsed.command == "serve" and parsed.config == "/etc/kvgate/kvgate.yaml"
+    assert parsed.upstream == "http://other host:1", "a flag given to docker run beats the variable"
+    assert (parsed.port, parsed.tokenizer, parsed.log_level) == (9000, "heuristic:3.5", "debug")
 
 
 def healthcheck_argv() -> list[str]:

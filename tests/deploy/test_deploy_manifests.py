@@ -150,6 +150,9 @@ def test_workloads_are_bounded_and_kvgate_is_locked_down(rendered: dict[str, lis
         assert args[args.index("--config") + 1] == f"{mount['mountPath']}/kvgate.yaml"
         port = policy(rendered[overlay])["listen"]["port"]
         assert container_port(w, "http") == port
+        # The image turns KVGATE_PORT into --port (and its HEALTHCHECK reads it): it must agree too.
+        env = {e["name"]: e.get("value") for e in gate.get("env", [])}
+        assert int(env["KVGATE_PORT"]) == port
 
 
 def test_sidecar_engine_is_reachable_only_through_kvgate(rendered: dict[str, list[Manifest]]) -> None:
