@@ -58,6 +58,7 @@ class Gateway:
         self.scraper: Scraper
         self.counter = TokenCounter(HeuristicTokenizer())
         self.draining = False
+        self.active_requests = 0  # proxied requests in progress (inference and passthrough): what a drain waits for
         self._tasks: list[asyncio.Task[None]] = []
         self._control = self._control_app()
 
@@ -68,8 +69,7 @@ class Gateway:
         if geometry is None:
             raise GatewayError(
                 503,
-                "The gateway does not know the engine's KV-cache size yet "
-                "(no vllm:cache_config_info scraped).",
+                "The gateway does not know the engine's KV-cache size yet (no vllm:cache_config_info scraped).",
                 type="service_unavailable",
                 code="upstream_not_ready",
                 retry_after_s=1.0,
@@ -116,6 +116,7 @@ class Gateway:
         task = asyncio.current_task()
         assert task is not None
         watch: asyncio.Task[None] | None = None
+        self.active_requests += 1
         try:
             if self.draining:
                 raise shutting_down(1.0)
@@ -137,6 +138,7 @@ class Gateway:
             task.uncancel()
             self.metrics.client_disconnects.labels("streaming" if writer.started else "waiting").inc()
         finally:
+            self.active_requests -= 1
             if watch is not None:
                 watch.cancel()
 
@@ -198,7 +200,15 @@ class Gateway:
         self.draining = True
         self.metrics.ready.set(0)
         self.admitter.fail_all_queued(shutting_down)
-        log.info("draining: %d request(s) in flight", len(self.controller.ledger))
+        log.info("draining: %d request(s) in flight", self.active_requests)
+
+    async def drained(self, deadline_s: float, poll_s: float = 0.05) -> bool:
+        """Wait until no proxied request is in progress, or the deadline passes; True if all finished."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        while self.active_requests > 0 and loop.time() < end:
+            await asyncio.sleep(poll_s)
+        return self.active_requests == 0
 
     async def shutdown(self) -> None:
         for task in self._tasks:

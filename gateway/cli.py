@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto | hf:PATH | tiktoken:NAME_OR_FILE | vllm | heuristic[:CHARS_PER_TOKEN]",
     )
     serve.add_argument("--log-level", default=None, help="debug, info, warning (default info)")
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, seconds to let in-flight requests finish (keep below terminationGracePeriodSeconds)",
+    )
     serve.set_defaults(func=_serve)
 
     validate = sub.add_parser("validate", help="check a config file and print each error with its location")

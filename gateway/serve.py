@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
 from typing import Any
@@ -16,19 +17,37 @@ from gateway.tokenizer import TokenizerUnavailable
 
 log = logging.getLogger("kvgate")
 
-DRAIN_DEADLINE_S = 30.0
-
 
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT, first tell the gateway to drain (not-ready, 503 to new and queued requests), then
-    let uvicorn stop accepting and wait up to the deadline for in-flight streams."""
+    """Graceful drain on SIGTERM/SIGINT.
 
-    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+    The gateway turns not-ready and answers new and queued requests with 503 + Retry-After (so clients and
+    load balancers move on at once, rather than meeting refused connections), while in-flight streams run to
+    completion. Once none is left, or at the deadline, uvicorn shuts down. A second signal exits at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.gateway = gateway
+        self.drain_timeout_s = drain_timeout_s
+        self._drain_task: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.gateway.draining or self._drain_task is not None:
+            super().handle_exit(sig, frame)
+            return
         self.gateway.begin_drain()
+        loop = asyncio.get_event_loop()
+        self._drain_task = loop.create_task(self._drain_then_exit(sig, frame))
+
+    async def _drain_then_exit(self, sig: int, frame: Any) -> None:
+        finished = await self.gateway.drained(self.drain_timeout_s)
+        if not finished:
+            log.warning(
+                "drain deadline of %.0fs reached with %d request(s) in flight",
+                self.drain_timeout_s,
+                self.gateway.active_requests,
+            )
         super().handle_exit(sig, frame)
 
 
@@ -61,11 +80,12 @@ def run(args: argparse.Namespace) -> int:
         lifespan="on",
         access_log=False,
         log_config=None,
-        timeout_graceful_shutdown=int(DRAIN_DEADLINE_S),
+        timeout_graceful_shutdown=5,  # after the drain: what uvicorn still allows open connections
         timeout_keep_alive=30,
+        proxy_headers=False,  # kvgate is the edge of the pod; X-Forwarded-* rewriting costs CPU per request
     )
     try:
-        DrainingServer(uv_config, gateway).run()
+        DrainingServer(uv_config, gateway, args.drain_timeout).run()
     except TokenizerUnavailable as exc:
         log.error("%s", exc)
         return 2
