@@ -59,6 +59,7 @@ class Gateway:
         self.counter = TokenCounter(HeuristicTokenizer())
         self.draining = False
         self.active_requests = 0  # proxied requests in progress (inference and passthrough): what a drain waits for
+        self._idle = asyncio.Event()  # set when a drain sees the last of them finish
         self._tasks: list[asyncio.Task[None]] = []
         self._control = self._control_app()
 
@@ -139,6 +140,8 @@ class Gateway:
             self.metrics.client_disconnects.labels("streaming" if writer.started else "waiting").inc()
         finally:
             self.active_requests -= 1
+            if self.draining and self.active_requests == 0:
+                self._idle.set()
             if watch is not None:
                 watch.cancel()
 
@@ -202,12 +205,11 @@ class Gateway:
         self.admitter.fail_all_queued(shutting_down)
         log.info("draining: %d request(s) in flight", self.active_requests)
 
-    async def drained(self, deadline_s: float, poll_s: float = 0.05) -> bool:
+    async def drained(self, deadline_s: float) -> bool:
         """Wait until no proxied request is in progress, or the deadline passes; True if all finished."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + deadline_s
-        while self.active_requests > 0 and loop.time() < end:
-            await asyncio.sleep(poll_s)
+        if self.active_requests > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), deadline_s)
         return self.active_requests == 0
 
     async def shutdown(self) -> None:

@@ -62,7 +62,7 @@ async def main_async(args: argparse.Namespace) -> str:
         for stream in (False, True):
             body = orjson.dumps({"model": "mini", "prompt": "Hello " * 20, "max_tokens": 16, "stream": stream})
             results: dict[str, list[float]] = {name: [] for name in clients}
-            for name, call in clients.items():  # warm-up
+            for call in clients.values():  # warm-up
                 await measure(call, url, body, stream, args.concurrency * 4, args.concurrency)
             for r in range(args.rounds):
                 names = list(clients) if r % 2 == 0 else list(reversed(clients))
