@@ -57,6 +57,7 @@ class _Supervisor(Collector):
     def __init__(self) -> None:
         self.ooms = 0
         self.restarts = 0
+        self.lag_s = 0.0
         self.created = time.time()
 
     def collect(self) -> Iterator[Metric]:
@@ -66,6 +67,12 @@ class _Supervisor(Collector):
         rs = CounterMetricFamily("kvgate_sim_engine_restarts", "Engine restarts after an OOM.")
         rs.add_metric([], self.restarts, created=self.created)
         yield rs
+        lag = CounterMetricFamily(
+            "kvgate_sim_lag_seconds",
+            "Real seconds the step loop ran behind the time-scaled step model (CPU too slow for the scale).",
+        )
+        lag.add_metric([], self.lag_s, created=self.created)
+        yield lag
 
 
 class SimServer:
@@ -129,7 +136,9 @@ class SimServer:
                 await self.wake.wait()
                 continue
             spent = time.monotonic() - started
-            await asyncio.sleep(max(0.0, step.duration * self.time_scale - spent))
+            planned = step.duration * self.time_scale
+            await asyncio.sleep(max(0.0, planned - spent))
+            self.supervisor.lag_s += max(0.0, time.monotonic() - started - planned)
             self._dispatch(self.engine.complete(step, self.now()))
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
