@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import yaml
 from loadtests import runner
 from loadtests.procs import Proc, start_gateway, start_sim
 from loadtests.scenario import Scenario
-from loadtests.stats import RequestRecord, Sample, summarize
+from loadtests.stats import RequestRecord, Sample, summarize, to_engine_time
 
 ARMS = ("direct", "kvgate", "vllm-queue")
 OOM_LINE = re.compile(r"CUDA out of memory")
@@ -104,9 +105,11 @@ def run_arm(scenario: Scenario, arm: str, out_dir: Path) -> ArmResult:
             )
         )
         ooms = len(OOM_LINE.findall(sim.log()))
+    real_span = (samples[-1].t - samples[0].t) * scenario.time_scale if len(samples) > 1 else math.nan
+    records, samples = to_engine_time(records, samples)
     summary = summarize(records, samples, scenario.ttft_slo_s, ooms)
     summary["arm"] = arm
-    summary["sample_hz_real"] = summary["sample_hz"] / scenario.time_scale
+    summary["sample_hz_real"] = (len(samples) - 1) / real_span if real_span else math.nan
     runner.save(out, records, samples, summary)
     return ArmResult(arm, records, samples, summary)
 

@@ -29,6 +29,7 @@ BACKEND_SERIES = {
     "vllm:generation_tokens_total",
     "kvgate_sim_oom_crashes_total",
     "kvgate_sim_lag_seconds_total",
+    "kvgate_sim_clock_seconds",
 }
 GATEWAY_SERIES = {"kvgate_queue_depth"}
 WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "tempor")
@@ -150,6 +151,7 @@ async def sample_loop(
                         v.get("vllm:generation_tokens_total", math.nan),
                         v.get("kvgate_sim_oom_crashes_total", math.nan),
                         lag=v.get("kvgate_sim_lag_seconds_total", math.nan),
+                        clock=v.get("kvgate_sim_clock_seconds", math.nan),
                     )
         except (TimeoutError, aiohttp.ClientError):
             pass
@@ -236,10 +238,10 @@ def save(out_dir: Path, records: Sequence[RequestRecord], samples: Sequence[Samp
         for r in records:
             f.write(json.dumps(asdict(r)) + "\n")
     with open(out_dir / "samples.csv", "w") as f:
-        f.write("t,up,kv,running,waiting,preemptions,generation_tokens,oom_total,gateway_queue\n")
+        f.write("t,up,kv,running,waiting,preemptions,generation_tokens,oom_total,gateway_queue,lag,clock\n")
         for s in samples:
             f.write(
                 f"{s.t:.4f},{int(s.up)},{s.kv},{s.running},{s.waiting},{s.preemptions},"
-                f"{s.generation_tokens},{s.oom_total},{s.gateway_queue}\n"
+                f"{s.generation_tokens},{s.oom_total},{s.gateway_queue},{s.lag},{s.clock}\n"
             )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -57,6 +59,46 @@ class Sample:
     oom_total: float = math.nan
     gateway_queue: float = math.nan
     lag: float = math.nan  # the simulator's cumulative real-time lag (kvgate_sim_lag_seconds_total)
+    clock: float = math.nan  # the simulator's virtual clock (kvgate_sim_clock_seconds)
+
+
+def to_engine_time(
+    records: Sequence[RequestRecord], samples: Sequence[Sample]
+) -> tuple[list[RequestRecord], list[Sample]]:
+    """Re-express client-side times on the simulator's virtual clock (interpolated between samples).
+
+    The simulator keeps its modelled time even when the CPU cannot keep up with the time scale; measuring
+    clients in that same time base keeps results independent of machine load. Without a clock (a real vLLM)
+    nothing changes.
+    """
+    pts = sorted((s.t, s.clock) for s in samples if not math.isnan(s.clock))
+    if len(pts) < 2:
+        return list(records), list(samples)
+    xs = [p[0] for p in pts]
+    base = pts[0][1] - pts[0][0]
+
+    def f(t: float) -> float:
+        i = bisect.bisect_right(xs, t)
+        if i == 0:
+            return pts[0][1] - base - (xs[0] - t)
+        if i == len(xs):
+            return pts[-1][1] - base + (t - xs[-1])
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        return y0 - base + (y1 - y0) * (t - x0) / (x1 - x0 or 1.0)
+
+    new_samples = [dataclasses.replace(s, t=f(s.t)) for s in samples]
+    new_records = []
+    for r in records:
+        sent = f(r.sent)
+        new_records.append(
+            dataclasses.replace(
+                r,
+                sent=sent,
+                ttft=None if r.ttft is None else f(r.sent + r.ttft) - sent,
+                latency=None if r.latency is None else f(r.sent + r.latency) - sent,
+            )
+        )
+    return new_records, new_samples
 
 
 def counter_increase(values: Sequence[float]) -> float:

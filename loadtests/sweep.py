@@ -16,7 +16,7 @@ from loadtests import runner
 from loadtests.compare import model_name
 from loadtests.procs import start_sim
 from loadtests.scenario import Arrival, Scenario
-from loadtests.stats import counter_increase
+from loadtests.stats import counter_increase, to_engine_time
 
 
 def sweep(scenario: Scenario, out_dir: Path) -> dict[str, Any]:
@@ -45,6 +45,7 @@ def sweep(scenario: Scenario, out_dir: Path) -> dict[str, Any]:
                 )
             )
             ooms = len(re.findall("CUDA out of memory", sim.log()))
+        records, samples = to_engine_time(records, samples)
         # Steady state: skip the first 30% (staggered ramp-up), measure generation tokens per simulated second.
         t_end = max(s.t for s in samples)
         steady = [s for s in samples if s.up and s.t >= t_end * 0.3]

@@ -1,8 +1,12 @@
 """The HTTP shell: an aiohttp app and an asyncio loop that steps the engine in (scaled) real time.
 
 Each step is planned by the engine, slept for ``duration * time_scale`` real seconds, then completed; tokens
-are handed to the waiting handlers. The engine clock is real time divided by ``time_scale``, so every
-latency the simulator reports (histograms, logs) is in simulated seconds.
+are handed to the waiting handlers. The engine clock is virtual: while idle it runs at real time divided by
+``time_scale``; a step always takes exactly its modelled duration on it, even when the CPU could not keep up
+with the scale (the overrun is counted in ``kvgate_sim_lag_seconds_total`` and left off the clock). So the
+engine's dynamics and every latency it reports are in simulated seconds and do not depend on how busy the
+machine running the simulator is. ``kvgate_sim_clock_seconds`` exports the clock so load tests can measure in
+the same time base.
 """
 
 from __future__ import annotations
@@ -11,13 +15,13 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import orjson
 from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.sim.api import (
@@ -54,7 +58,8 @@ class Channel:
 class _Supervisor(Collector):
     """Counts OOM crashes across engine restarts (what a process supervisor would see)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.ooms = 0
         self.restarts = 0
         self.lag_s = 0.0
@@ -73,6 +78,9 @@ class _Supervisor(Collector):
         )
         lag.add_metric([], self.lag_s, created=self.created)
         yield lag
+        clock = GaugeMetricFamily("kvgate_sim_clock_seconds", "The engine's virtual clock (simulated seconds).")
+        clock.add_metric([], self.clock())
+        yield clock
 
 
 class SimServer:
@@ -100,14 +108,16 @@ class SimServer:
         self.oom_mode = oom_mode
         self.restart_delay_s = restart_delay_s
         self.legacy = legacy_gpu_cache_metric
-        self.supervisor = _Supervisor()
+        self.supervisor = _Supervisor(self.now)
         self.state: Literal["ready", "restarting", "dead"] = "ready"
         self.exit_code = 0
         self.shutdown = asyncio.Event()
         self.wake = asyncio.Event()
         self.channels: dict[str, Channel] = {}
         self._ids = itertools.count()
-        self._t0 = time.monotonic()
+        self._anchor_virtual = 0.0
+        self._anchor_real = time.monotonic()
+        self._step_end: float | None = None  # virtual end of the step in flight: the clock never passes it
         self._fresh_engine()
 
     def _fresh_engine(self) -> None:
@@ -117,7 +127,8 @@ class SimServer:
         )
 
     def now(self) -> float:
-        return (time.monotonic() - self._t0) / self.time_scale
+        t = self._anchor_virtual + (time.monotonic() - self._anchor_real) / self.time_scale
+        return t if self._step_end is None else min(t, self._step_end)
 
     # -- the step loop ---------------------------------------------------------------------------------
     async def run_engine(self) -> None:
@@ -127,7 +138,8 @@ class SimServer:
                 await self.wake.wait()
                 continue
             started = time.monotonic()
-            step = self.engine.schedule(self.now())
+            begin = self.now()
+            step = self.engine.schedule(begin)
             if step.oom:
                 await self._oom(step)
                 continue
@@ -135,11 +147,12 @@ class SimServer:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            spent = time.monotonic() - started
+            self._step_end = begin + step.duration
             planned = step.duration * self.time_scale
-            await asyncio.sleep(max(0.0, planned - spent))
+            await asyncio.sleep(max(0.0, planned - (time.monotonic() - started)))
             self.supervisor.lag_s += max(0.0, time.monotonic() - started - planned)
-            self._dispatch(self.engine.complete(step, self.now()))
+            self._anchor_virtual, self._anchor_real, self._step_end = self._step_end, time.monotonic(), None
+            self._dispatch(self.engine.complete(step, self._anchor_virtual))
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for ev in events:
