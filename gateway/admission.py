@@ -23,7 +23,7 @@ from gateway.config import AdmissionConfig
 from gateway.cost import KvGeometry, RequestCost
 from gateway.gate import HysteresisGate
 from gateway.ledger import Ledger, Reservation
-from gateway.queue import AdmissionQueue, Ticket
+from gateway.queue import AdmissionQueue, QueueClass, Refused, Ticket
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +45,19 @@ class Admitted:
 
 @dataclass(frozen=True, slots=True)
 class Queued:
+    """Waiting: ``position`` and ``eta_s`` as estimated on arrival; ``shed`` are tickets it pushed out."""
+
     ticket: Ticket
+    position: int = 1
+    eta_s: float | None = None
+    shed: tuple[Ticket, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    reason: Literal["queue_full", "no_capacity_info"]
+    reason: Literal["queue_full", "tenant_queue_full", "no_capacity_info"]
     retry_after_s: float
+    position: int = 0
 
 
 Decision = Admitted | Queued | Rejected
@@ -137,18 +143,32 @@ class AdmissionController:
 
     # --- requests -----------------------------------------------------------------------------------
 
-    def submit(self, cost: RequestCost, tenant: str, now: float, max_wait_s: float | None = None) -> Decision:
-        """Admit now if nobody is waiting and it fits; otherwise queue, or reject when the queue is full."""
-        if not self.queue and self.fits(cost.blocks, now):
+    def submit(
+        self,
+        cost: RequestCost,
+        tenant: str,
+        now: float,
+        max_wait_s: float | None = None,
+        qclass: QueueClass | None = None,
+    ) -> Decision:
+        """Admit now if nothing of this class or a higher one waits and it fits; otherwise queue (possibly
+        shedding a lower-class ticket), or reject when the queue (or the tenant's share of it) is full.
+
+        A queued ticket may be at the head already: the caller pumps right after."""
+        qclass = qclass or QueueClass()
+        if not self.queue.waiting_at_or_above(qclass.priority) and self.fits(cost.blocks, now):
             return Admitted(self.ledger.reserve(cost, tenant, now))
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
-        ticket = Ticket(cost, tenant, enqueued_at=now, deadline=now + wait)
-        if not self.queue.push(ticket):
-            return Rejected("queue_full", self.retry_after(len(self.queue) + 1, now))
-        return Queued(ticket)
+        ticket = Ticket(cost, tenant, enqueued_at=now, deadline=now + wait, qclass=qclass)
+        pushed = self.queue.push(ticket)
+        if isinstance(pushed, Refused):
+            position = len(self.queue) + 1
+            return Rejected(pushed.reason, self.retry_after(position, now), position)
+        position = self.queue.position(ticket)
+        return Queued(ticket, position, self.eta(position, now), pushed.shed)
 
     def pump(self, now: float) -> list[tuple[Ticket, Reservation]]:
-        """Admit from the head of the queue while the head fits."""
+        """Admit from the head of the queue (highest class, fairest tenant) while the head fits."""
         admitted = []
         while (head := self.queue.peek()) is not None and self.fits(head.cost.blocks, now):
             self.queue.pop()
@@ -171,6 +191,11 @@ class AdmissionController:
         return released
 
     # --- telling clients when to come back ----------------------------------------------------------
+
+    def eta(self, position: int, now: float) -> float | None:
+        """Seconds until ``position`` requests ahead have drained at the observed finish rate (None: unknown)."""
+        rate = self.drain.per_second(now)
+        return position / rate if rate > 0 else None
 
     def retry_after(self, position: int, now: float) -> float:
         """Seconds until ``position`` requests ahead have drained, from the observed finish rate."""

@@ -6,6 +6,7 @@ message`` so an operator can fix a ConfigMap without starting the server.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -76,16 +77,79 @@ class LimitsConfig(_Model):
     )
 
 
-class TenantConfig(_Model):
-    name: str
+PriorityClass = Literal["critical", "standard", "sheddable"]
+
+
+class TenantLimits(_Model):
+    """The limits one tenant runs under; every field may also be overridden per model."""
+
+    requests_per_minute: int | None = Field(None, ge=1, description="Requests per minute (token bucket).")
+    tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt plus reserved output tokens per minute: pre-charged at admission, settled against "
+        "the response's usage, refunded when the client leaves before the first token.",
+    )
+    max_concurrent: int | None = Field(None, ge=1, description="Requests admitted and not yet finished.")
+    max_queued: int | None = Field(None, ge=0, description="Requests waiting (for a slot or for KV capacity).")
+    max_queue_wait_s: float | None = Field(
+        None, gt=0, description="Longest wait before a 503 queue_timeout (default: admission.queue_max_wait_s)."
+    )
+    priority: PriorityClass | None = Field(
+        None, description="critical > standard > sheddable: strict priority; sheddable is shed first."
+    )
+    weight: float | None = Field(None, gt=0, description="Fair-share weight among tenants of the same class.")
+
+
+class TenantConfig(TenantLimits):
+    name: str = Field(min_length=1)
     api_keys: list[str] = Field(default_factory=list, description="Plain keys or 'sha256:<hex>'.")
-    requests_per_minute: int | None = Field(None, ge=1)
-    tokens_per_minute: int | None = Field(None, ge=1)
+    priority: PriorityClass | None = Field(
+        "standard", description="critical > standard > sheddable: strict priority; sheddable is shed first."
+    )
+    weight: float | None = Field(1.0, gt=0, description="Fair-share weight among tenants of the same class.")
+    models: dict[str, TenantLimits] = Field(
+        default_factory=dict,
+        description="Per-model overrides (by the request's 'model'); an overridden model gets its own counters.",
+    )
+
+    @model_validator(mode="after")
+    def _keys_well_formed(self) -> TenantConfig:
+        for key in self.api_keys:
+            if key.startswith("sha256:"):
+                digest = key.removeprefix("sha256:")
+                if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+                    raise ValueError("a 'sha256:' key must be followed by 64 hex digits")
+        return self
 
 
 class AuthConfig(_Model):
-    require_api_key: bool = False
-    default_tenant: str = "default"
+    require_api_key: bool = Field(False, description="401 for requests without a known key.")
+    default_tenant: str = Field("default", description="Tenant of anonymous traffic (when keys are optional).")
+
+
+class RedisConfig(_Model):
+    """Shared rate-limit counters and concurrency slots, so N replicas enforce one global limit."""
+
+    url: str | None = Field(None, description="redis://host:port/db; unset = everything stays in-process.")
+    key_prefix: str = "kvgate"
+    timeout_s: float = Field(0.05, gt=0, le=5, description="No request waits on Redis longer than this.")
+    on_failure: Literal["open", "closed"] = Field(
+        "open",
+        description="open: fall back to local limits divided by `replicas` (reported as degraded); "
+        "closed: refuse limited tenants with 503 until Redis is back.",
+    )
+    replicas: int = Field(1, ge=1, description="Gateway replicas sharing the limits (divides them when degraded).")
+    reconnect_interval_s: float = Field(1.0, gt=0, description="How often to probe a Redis that went away.")
+    slot_lease_s: float = Field(
+        30.0, gt=1, description="A concurrency slot of a replica that died frees itself after this long."
+    )
+    slot_poll_s: float = Field(0.02, gt=0, description="How often a request waiting for a shared slot retries.")
+
+
+class ReloadConfig(_Model):
+    enabled: bool = Field(True, description="Watch the config file and apply new auth/tenants without restart.")
+    interval_s: float = Field(1.0, gt=0, description="How often the file (and its ..data symlink) is checked.")
 
 
 class GatewayConfig(_Model):
@@ -98,7 +162,28 @@ class GatewayConfig(_Model):
     limits: LimitsConfig = LimitsConfig()
     auth: AuthConfig = AuthConfig()
     tenants: list[TenantConfig] = Field(default_factory=list)
+    redis: RedisConfig = RedisConfig()
+    reload: ReloadConfig = ReloadConfig()
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _tenants_unique(self) -> GatewayConfig:
+        names: set[str] = set()
+        keys: set[str] = set()
+        for tenant in self.tenants:
+            if tenant.name in names:
+                raise ValueError(f"tenant '{tenant.name}' is defined twice")
+            names.add(tenant.name)
+            for key in tenant.api_keys:
+                digest = (
+                    key.removeprefix("sha256:").lower()
+                    if key.startswith("sha256:")
+                    else hashlib.sha256(key.encode()).hexdigest()
+                )
+                if digest in keys:
+                    raise ValueError(f"an API key of tenant '{tenant.name}' is already used by another tenant")
+                keys.add(digest)
+        return self
 
     def with_overrides(self, **flags: Any) -> GatewayConfig:
         """Apply command-line flags (None means 'not given') on top of the file."""
