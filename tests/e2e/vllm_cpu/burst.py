@@ -17,11 +17,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -69,6 +75,13 @@ def parse_metrics(text: str) -> dict[str, float]:
     return values
 
 
+def metrics_now(engine_url: str) -> dict[str, float]:
+    """One synchronous scrape of the engine's ``vllm:`` series."""
+    response = httpx.get(f"{engine_url}/metrics", timeout=10.0)
+    response.raise_for_status()
+    return parse_metrics(response.text)
+
+
 async def fetch_metrics(client: httpx.AsyncClient, engine_url: str) -> dict[str, float]:
     response = await client.get(f"{engine_url}/metrics")
     response.raise_for_status()
@@ -78,47 +91,33 @@ async def fetch_metrics(client: httpx.AsyncClient, engine_url: str) -> dict[str,
 class Sampler:
     """Polls the engine's /metrics at ``hz`` until stopped; keeps (t, usage, running, waiting) samples.
 
-    It runs in its own thread with a blocking client: in the event loop it would be starved by the 64 streams
-    the burst parses (measured: 2.5-6.5 Hz instead of 20), while /metrics itself answers in ~10 ms.
+    It runs in a child process of its own: in the client's event loop (or even a thread of the client) it is
+    starved by the 64 streams being parsed (measured: 2.5-6.5 Hz in the loop, ~12 Hz in a thread on a busy
+    machine, instead of 20), while /metrics itself answers in ~10 ms.
     """
 
     def __init__(self, engine_url: str, hz: float = 20.0) -> None:
         self.engine_url = engine_url
         self.hz = hz
         self.samples: list[tuple[float, float, float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="metrics-sampler", daemon=True)
-        self._t0 = 0.0
-
-    def _run(self) -> None:
-        period = 1.0 / self.hz
-        with httpx.Client(timeout=5.0) as client:
-            next_at = time.monotonic()
-            while not self._stop.is_set():
-                try:
-                    response = client.get(f"{self.engine_url}/metrics")
-                    response.raise_for_status()
-                    m = parse_metrics(response.text)
-                    self.samples.append(
-                        (
-                            time.monotonic() - self._t0,
-                            m.get("vllm:kv_cache_usage_perc", float("nan")),
-                            m.get("vllm:num_requests_running", float("nan")),
-                            m.get("vllm:num_requests_waiting", float("nan")),
-                        )
-                    )
-                except httpx.HTTPError:
-                    pass
-                next_at += period
-                self._stop.wait(max(0.0, next_at - time.monotonic()))
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._out: Path | None = None
 
     def start(self) -> None:
-        self._t0 = time.monotonic()
-        self._thread.start()
+        fd, name = tempfile.mkstemp(prefix="kvgate-sampler-", suffix=".tsv")
+        os.close(fd)
+        self._out = Path(name)
+        argv = [sys.executable, __file__, "--sample-to", name, "--engine", self.engine_url, "--hz", str(self.hz)]
+        self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
 
     async def stop(self) -> None:
-        self._stop.set()
-        await asyncio.to_thread(self._thread.join)
+        assert self._proc is not None and self._out is not None
+        self._proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(self._proc.wait, 10)
+        for line in self._out.read_text().splitlines():
+            t, usage, running, waiting = (float(x) for x in line.split("\t"))
+            self.samples.append((t, usage, running, waiting))
+        self._out.unlink()
 
     @property
     def rate_hz(self) -> float:
@@ -129,6 +128,31 @@ class Sampler:
     @property
     def max_usage(self) -> float:
         return max((s[1] for s in self.samples), default=float("nan"))
+
+
+def _sample_forever(engine_url: str, hz: float, out: Path) -> None:
+    """The sampler child: one line per scrape, flushed, until SIGTERM."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    period = 1.0 / hz
+    t0 = time.monotonic()
+    next_at = t0
+    with httpx.Client(timeout=5.0) as client, out.open("w") as sink:
+        while not stop.is_set():
+            try:
+                response = client.get(f"{engine_url}/metrics")
+                response.raise_for_status()
+                m = parse_metrics(response.text)
+                sink.write(
+                    f"{time.monotonic() - t0:.4f}\t{m.get('vllm:kv_cache_usage_perc', float('nan'))}\t"
+                    f"{m.get('vllm:num_requests_running', float('nan'))}\t"
+                    f"{m.get('vllm:num_requests_waiting', float('nan'))}\n"
+                )
+                sink.flush()
+            except httpx.HTTPError:
+                pass
+            next_at += period
+            stop.wait(max(0.0, next_at - time.monotonic()))
 
 
 @dataclass
@@ -182,12 +206,15 @@ async def run_burst(base_url: str, engine_url: str, burst: list[BurstRequest], h
     sampler = Sampler(engine_url, hz)
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600.0)
     sampler.start()
-    t0 = time.monotonic()
-    results = await asyncio.gather(*(_one(client, r, t0) for r in burst), return_exceptions=True)
-    wall = time.monotonic() - t0
-    await asyncio.sleep(0.2)  # one more sample after the last stream closed
-    await sampler.stop()
-    await client.close()
+    try:
+        await asyncio.sleep(0.3)  # the sampler's first scrape, before the burst starts
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(_one(client, r, t0) for r in burst), return_exceptions=True)
+        wall = time.monotonic() - t0
+        await asyncio.sleep(0.2)  # one more sample after the last stream closed
+    finally:
+        await sampler.stop()
+        await client.close()
     async with httpx.AsyncClient(timeout=5.0) as probe:
         after = await fetch_metrics(probe, engine_url)
 
@@ -215,13 +242,19 @@ async def run_burst(base_url: str, engine_url: str, burst: list[BurstRequest], h
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", required=True, help="where to send the burst (engine or kvgate)")
+    parser.add_argument("--url", help="where to send the burst (engine or kvgate)")
     parser.add_argument("--engine", required=True, help="the engine, for /metrics")
+    parser.add_argument("--sample-to", help=argparse.SUPPRESS)  # the sampler child
     parser.add_argument("-n", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--content-seed", type=int, default=None)
     parser.add_argument("--hz", type=float, default=20.0)
     args = parser.parse_args()
+    if args.sample_to:
+        _sample_forever(args.engine, args.hz, Path(args.sample_to))
+        return
+    if not args.url:
+        parser.error("--url is required")
     burst = make_burst(args.n, seed=args.seed, content_seed=args.content_seed)
     print(asyncio.run(run_burst(args.url, args.engine, burst, args.hz)).summary())
 

@@ -25,9 +25,11 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-if not __package__:  # run as a script: make the package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_cpu.procs import ManagedProcess, free_port, http_status, kill_tree
+try:
+    from .procs import ManagedProcess, free_port, http_status, kill_tree
+except ImportError:  # run as a script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from procs import ManagedProcess, free_port, http_status, kill_tree  # type: ignore[no-redef]
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL_NAME = "tiny-llama"
@@ -176,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--port", type=int, default=None, help="default: a free port")
-    parser.add_argument("extra", nargs="*", help="extra vLLM args, after --")
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
 
     if args.action == "down":
         state_path = _state_file()
@@ -195,16 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
-        extra_args=tuple(args.extra),
+        extra_args=tuple(extra),
         port=args.port,
     )
+    if args.action == "up" and _state_file().exists():
+        print(f"an engine is already up ({_state_file().read_text().strip()}); run `down` first")
+        return 1
     t0 = time.monotonic()
     engine.start()
     assert engine.process is not None
+    if args.action == "up":  # before printing: a closed stdout must not lose track of the engine
+        _state_file().write_text(json.dumps({"pid": engine.process.pid, "url": engine.base_url}) + "\n")
     print(f"vLLM ready at {engine.base_url} (model {MODEL_NAME}) in {time.monotonic() - t0:.0f} s", flush=True)
     print(f"log: {engine.process.log_path}", flush=True)
     if args.action == "up":
-        _state_file().write_text(json.dumps({"pid": engine.process.pid, "url": engine.base_url}) + "\n")
         print("stop it with: python3 tests/e2e/vllm_cpu/engine.py down")
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

