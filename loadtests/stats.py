@@ -113,6 +113,11 @@ def counter_increase(values: Sequence[float]) -> float:
     return total
 
 
+def _mean(values: Sequence[float]) -> float:
+    vals = [v for v in values if not math.isnan(v)]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return math.nan
@@ -186,6 +191,16 @@ def summarize(
         "ttft_p99_s": percentile(ttfts, 0.99),
         "outcomes": dict(Counter(r.outcome() for r in records)),
         "rejections_with_retry_after": retry_ok,
+        "by_class": {
+            c: {
+                "sent": sum(1 for r in records if r.cls == c),
+                "served": sum(1 for r in ok if r.cls == c),
+                "goodput": sum(1 for r in ok if r.cls == c and r.ttft is not None and r.ttft <= ttft_slo_s),
+                "ttft_p50_s": percentile([r.ttft for r in ok if r.cls == c and r.ttft is not None], 0.5),
+            }
+            for c in sorted({r.cls for r in records})
+        },
+        "mean_running": _mean([s.running for s in up]),
         "backend_down_s": sum(b.t - a.t for a, b in itertools.pairwise(samples) if not a.up),
         "sim_lag_real_s": max((s.lag for s in samples if not math.isnan(s.lag)), default=math.nan),
         "samples": len(samples),

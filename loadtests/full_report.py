@@ -1,0 +1,140 @@
+"""``python -m loadtests report``: the committed report, loadtests/results/REPORT.md, with its plots.
+
+Runs the concurrency sweep for the burst's preset and shape, then ``compare`` on every scenario, and checks
+the issue's claims against the numbers it just measured (each check prints PASS or FAIL with the values).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from loadtests import compare, scenario
+from loadtests.report import plots, table
+from loadtests.sweep import sweep
+
+HERE = Path(__file__).resolve().parent
+PLAN: list[tuple[str, tuple[str, ...]]] = [
+    ("burst-8b-h100", ("direct", "kvgate", "vllm-queue")),
+    ("overload-2x", ("direct", "kvgate", "vllm-queue")),
+    ("mixed-chat", ("direct", "kvgate")),
+    ("multi-tenant", ("direct", "kvgate")),
+]
+
+
+def _check(ok: bool, text: str) -> str:
+    return f"- **{'PASS' if ok else 'FAIL'}**: {text}"
+
+
+def burst_checks(res: list[compare.ArmResult], best: dict[str, Any] | None) -> list[str]:
+    by = {r.arm: r for r in res}
+    d, g = by["direct"].summary, by["kvgate"].summary
+    lines = [
+        _check(d["oom_crashes"] >= 1, f"direct: the burst crashes the simulated engine ({d['oom_crashes']} OOM)"),
+        _check(g["oom_crashes"] == 0, f"through kvgate: {g['oom_crashes']} OOM crashes"),
+        _check(g["preemptions"] == 0, f"through kvgate: {g['preemptions']:.0f} preemptions"),
+        _check(g["peak_kv_usage"] <= 0.90, f"through kvgate: peak sampled KV usage {g['peak_kv_usage']:.3f} <= 0.90"),
+    ]
+    rejected_ok = all(r.ok or (r.status in (429, 503) and r.retry_after is not None) for r in by["kvgate"].records)
+    lines.append(_check(rejected_ok, "through kvgate: every request served, or rejected with 429/503 + Retry-After"))
+    if best is not None:
+        ratio = g["output_tok_per_s"] / best["output_tok_per_s"]
+        lines.append(
+            _check(
+                ratio >= 0.9,
+                f"through kvgate: output throughput {g['output_tok_per_s']:,.0f} tok/s = "
+                f"{ratio:.0%} of the best stable throughput {best['output_tok_per_s']:,.0f} tok/s "
+                f"(sweep, concurrency {best['concurrency']})",
+            )
+        )
+    return lines
+
+
+def overload_checks(res: list[compare.ArmResult]) -> list[str]:
+    g = {r.arm: r for r in res}["kvgate"].summary
+    return [
+        _check(
+            g["oom_crashes"] == 0 and g["preemptions"] == 0,
+            f"through kvgate: {g['oom_crashes']} OOM, {g['preemptions']:.0f} preemptions",
+        ),
+        f"- through kvgate, KV usage was inside 80–90% for **{g['time_in_80_90_frac']:.0%}** of the run "
+        f"({g['time_in_80_90_s']:.1f} s of simulated time); above 90% for {g['time_above_90_s']:.1f} s; "
+        f"the engine ran {g['mean_running']:.1f} requests on average (sampled).",
+    ]
+
+
+def build(out: Path, only: set[str] | None) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    sections: dict[str, str] = {}
+    best: dict[str, Any] | None = None
+    for name, arms in PLAN:
+        if only is not None and name not in only:
+            continue
+        sc = scenario.load(HERE / "scenarios" / f"{name}.yaml")
+        dest = out / name
+        dest.mkdir(parents=True, exist_ok=True)
+        extra: list[str] = []
+        if name == "burst-8b-h100":
+            print(f"sweep for {name}", flush=True)
+            sw = sweep(sc, dest)
+            best = sw["best_stable"]
+            extra.append(sweep_table(sw))
+        print(f"compare {name}: {', '.join(arms)}", flush=True)
+        res = compare.compare(sc, arms, dest)
+        plots(res, dest, name)
+        checks = (
+            burst_checks(res, best)
+            if name.startswith("burst")
+            else (overload_checks(res) if name.startswith("overload") else [])
+        )
+        body = [f"## {name}", "", sc.description.strip(), "", table(res), ""]
+        if checks:
+            body += ["Checks:", "", *checks, ""]
+        body += extra
+        body += [
+            f"![KV usage]({name}/kv_usage.png)",
+            "",
+            f"![queue depth]({name}/queue_depth.png)",
+            "",
+            f"![throughput]({name}/throughput.png)",
+            "",
+        ]
+        sections[name] = "\n".join(body)
+        (dest / "section.md").write_text(sections[name])
+        print(sections[name], flush=True)
+    # Keep sections of scenarios not re-run this time.
+    for name, _ in PLAN:
+        if name not in sections and (out / name / "section.md").exists():
+            sections[name] = (out / name / "section.md").read_text()
+    header = (HERE / "report_header.md").read_text()
+    (out / "REPORT.md").write_text(header + "\n" + "\n".join(sections[n] for n, _ in PLAN if n in sections))
+    return 0
+
+
+def sweep_table(sw: dict[str, Any]) -> str:
+    lines = [
+        f"Concurrency sweep (closed loop, prompt {sw['shape']['prompt_tokens']} / output "
+        f"{sw['shape']['max_tokens']} tokens, steady state):",
+        "",
+        "| concurrency | output tok/s | preemptions | OOM | peak KV | stable |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in sw["rows"]:
+        peak = r["peak_kv_usage"]
+        lines.append(
+            f"| {r['concurrency']} | {r['output_tok_per_s']:,.0f} | {r['preemptions']:.0f} | "
+            f"{r['oom_crashes']} | {peak:.3f} | {'yes' if r['stable'] else 'no'} |"
+        )
+    best = sw["best_stable"]
+    lines += [
+        "",
+        f"Best stable: {best['output_tok_per_s']:,.0f} tok/s at concurrency {best['concurrency']}."
+        if best
+        else "No stable level.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(build(HERE / "results", None))
