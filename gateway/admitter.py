@@ -18,7 +18,9 @@ from gateway.cost import RequestCost
 from gateway.errors import GatewayError, queue_full, queue_timeout
 from gateway.ledger import Reservation
 from gateway.metrics import GatewayMetrics
-from gateway.queue import Ticket
+from gateway.queue import PRIORITIES, QueueClass, Ticket
+
+_CLASS_NAMES = PRIORITIES
 
 
 @dataclass(slots=True)
@@ -29,6 +31,18 @@ class Admission:
     waited_s: float
     queue_position: int
     outcome: str = "completed"
+    eta_s: float | None = None
+
+
+def shed(retry_after_s: float, extra: dict[str, object]) -> GatewayError:
+    return GatewayError(
+        503,
+        "The request was shed from the full admission queue for higher-priority traffic; retry later.",
+        type="service_unavailable",
+        code="shed",
+        retry_after_s=retry_after_s,
+        extra=extra,
+    )
 
 
 class Admitter:
@@ -45,10 +59,14 @@ class Admitter:
 
     @asynccontextmanager
     async def reserve(
-        self, cost: RequestCost, tenant: str, max_wait_s: float | None = None
+        self,
+        cost: RequestCost,
+        tenant: str,
+        max_wait_s: float | None = None,
+        qclass: QueueClass | None = None,
     ) -> AsyncIterator[Admission]:
         """Hold a reservation for the body of the ``async with``; it is released however the body ends."""
-        admission = await self.acquire(cost, tenant, max_wait_s)
+        admission = await self.acquire(cost, tenant, max_wait_s, qclass)
         try:
             yield admission
         except asyncio.CancelledError:
@@ -61,30 +79,70 @@ class Admitter:
         finally:
             self.release(admission.reservation, admission.outcome)
 
-    async def acquire(self, cost: RequestCost, tenant: str, max_wait_s: float | None = None) -> Admission:
+    async def acquire(
+        self,
+        cost: RequestCost,
+        tenant: str,
+        max_wait_s: float | None = None,
+        qclass: QueueClass | None = None,
+    ) -> Admission:
+        qclass = qclass or QueueClass()
         now = self.clock()
-        decision = self.controller.submit(cost, tenant, now, max_wait_s)
+        decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass)
         if isinstance(decision, Admitted):
-            self._on_admitted(0.0)
+            self._on_admitted(0.0, decision.reservation, qclass)
             return Admission(decision.reservation, 0.0, 0)
         if not isinstance(decision, Queued):
             self.metrics.rejected.labels(decision.reason).inc()
-            raise queue_full(decision.retry_after_s, {"queue_depth": len(self.controller.queue)})
+            eta = self.controller.eta(decision.position, now)
+            extra: dict[str, object] = {
+                "queue_depth": len(self.controller.queue),
+                "queue_position": decision.position,
+                "queue_eta_s": None if eta is None else round(eta, 3),
+            }
+            if decision.reason == "tenant_queue_full":
+                raise GatewayError(
+                    429,
+                    f"Tenant '{tenant}' has reached its limit of queued requests; retry after the indicated time.",
+                    type="rate_limit_exceeded",
+                    code="tenant_queue_full",
+                    retry_after_s=decision.retry_after_s,
+                    extra=extra,
+                )
+            raise queue_full(decision.retry_after_s, extra)
         ticket = decision.ticket
-        position = len(self.controller.queue)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Reservation] = loop.create_future()
         timer = loop.call_at(loop.time() + (ticket.deadline - now), self._expire)
         self._waiters[ticket.id] = (ticket, future, timer)
+        self._shed(decision.shed, now)
         self.metrics.queue_depth.set(len(self.controller.queue))
+        self.pump()  # it may be at the head already (a fairer tenant than the one that was waiting)
         try:
             reservation = await future
         except asyncio.CancelledError:
             self._abandon(ticket, future)
             raise
         waited = self.clock() - ticket.enqueued_at
-        self._on_admitted(waited)
-        return Admission(reservation, waited, position)
+        self._on_admitted(waited, reservation, qclass)
+        return Admission(reservation, waited, decision.position, eta_s=decision.eta_s)
+
+    def _shed(self, tickets: tuple[Ticket, ...], now: float) -> None:
+        """Fail the requests a higher-class arrival pushed out of the full queue."""
+        for ticket in tickets:
+            _, future, timer = self._waiters.pop(ticket.id)
+            timer.cancel()
+            self.metrics.shed.labels(_CLASS_NAMES[ticket.priority]).inc()
+            self.metrics.rejected.labels("shed").inc()
+            if not future.done():
+                position = len(self.controller.queue)
+                eta = self.controller.eta(position, now)
+                future.set_exception(
+                    shed(
+                        self.controller.retry_after(position, now),
+                        {"queue_position": position, "queue_eta_s": None if eta is None else round(eta, 3)},
+                    )
+                )
 
     def _abandon(self, ticket: Ticket, future: asyncio.Future[Reservation]) -> None:
         """The waiting client went away: leave the queue, or give back a reservation granted meanwhile."""
@@ -98,12 +156,15 @@ class Admitter:
             self.release(future.result(), "client_disconnect")
         self.pump()
 
-    def _on_admitted(self, waited_s: float) -> None:
+    def _on_admitted(self, waited_s: float, reservation: Reservation, qclass: QueueClass) -> None:
         projected = self.controller.projected_usage(self.clock())
         if projected is not None:
             self.metrics.projected_at_admission.observe(projected)
         self.metrics.admitted.inc()
         self.metrics.queue_wait.observe(waited_s)
+        name = _CLASS_NAMES[qclass.priority]
+        self.metrics.class_queue_wait.labels(name).observe(waited_s)
+        self.metrics.tenant_admitted_tokens.labels(reservation.tenant, name).inc(reservation.cost.total_tokens)
         self.metrics.inflight.set(len(self.controller.ledger))
 
     def release(self, reservation: Reservation, outcome: str) -> None:
@@ -134,8 +195,13 @@ class Admitter:
             self.metrics.rejected.labels("queue_timeout").inc()
             if not future.done():
                 position = 1 + len(self.controller.queue)
+                eta = self.controller.eta(position, now)
                 future.set_exception(
-                    queue_timeout(self.controller.retry_after(position, now), now - ticket.enqueued_at)
+                    queue_timeout(
+                        self.controller.retry_after(position, now),
+                        now - ticket.enqueued_at,
+                        {"queue_position": position, "queue_eta_s": None if eta is None else round(eta, 3)},
+                    )
                 )
         self.metrics.queue_depth.set(len(self.controller.queue))
 

@@ -21,21 +21,26 @@ from fastapi.responses import JSONResponse, Response
 
 from gateway.admission import AdmissionController
 from gateway.admitter import Admitter
-from gateway.auth import TenantDirectory
 from gateway.config import GatewayConfig
 from gateway.cost import KvGeometry, RequestCost, estimate_cost
 from gateway.counting import TokenCounter, build_counter
 from gateway.errors import GatewayError, shutting_down
 from gateway.forward import Forwarder, ResponseWriter
+from gateway.limits import Charge, SharedLimits
 from gateway.metrics import GatewayMetrics
 from gateway.parse import Endpoint, InferenceRequest
+from gateway.policy import Policy, TenantPolicy
 from gateway.proxy import handle_inference, handle_passthrough
-from gateway.ratelimit import RateDecision, RateLimiter, ratelimit_headers
+from gateway.reload import ConfigWatcher
 from gateway.scraper import Scraper
 from gateway.tokenizer import HeuristicTokenizer
 
 log = logging.getLogger("kvgate")
 
+# Codes whose rejection is already counted where it is raised.
+_COUNTED_CODES = frozenset(
+    {None, "queue_full", "queue_timeout", "rate_limit_exceeded", "shed", "tenant_queue_full", "limits_unavailable"}
+)
 INFERENCE_PATHS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 CONTROL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
@@ -43,16 +48,22 @@ CONTROL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 class Gateway:
     """All the parts of one gateway, wired together; an ASGI application."""
 
-    def __init__(self, config: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        clock: Callable[[], float] = time.monotonic,
+        config_path: str | None = None,
+    ) -> None:
         self.config = config
+        self.config_path = config_path
         self.clock = clock
         self.metrics = GatewayMetrics()
         m = config.model
         override = KvGeometry(m.block_size, m.num_gpu_blocks) if m.block_size and m.num_gpu_blocks else None
         self.controller = AdmissionController(config.admission, override)
         self.admitter = Admitter(self.controller, self.metrics, clock)
-        self.tenants = TenantDirectory(config.auth, config.tenants)
-        self.limiter = RateLimiter(config.tenants)
+        self.policy = Policy(config.auth, config.tenants)
+        self.limits = SharedLimits(config.redis, self.metrics, clock)
         self.session: aiohttp.ClientSession | None = None
         self.forwarder: Forwarder
         self.scraper: Scraper
@@ -85,19 +96,14 @@ class Gateway:
             high_watermark=self.config.admission.high_watermark,
         )
 
-    def check_rate_limit(self, tenant: str, cost: RequestCost) -> RateDecision:
-        decision = self.limiter.check(tenant, cost.total_tokens, self.clock())
-        if not decision.allowed:
-            self.metrics.rejected.labels("rate_limited").inc()
-            raise GatewayError(
-                429,
-                f"Rate limit reached for tenant '{tenant}' on {decision.exceeded} per minute.",
-                type="requests" if decision.exceeded == "requests" else "tokens",
-                code="rate_limit_exceeded",
-                retry_after_s=decision.retry_after_s if decision.retry_after_s != float("inf") else 60.0,
-                extra_headers=ratelimit_headers(decision),
-            )
-        return decision
+    async def check_rate_limit(self, tenant: TenantPolicy, cost: RequestCost) -> Charge:
+        """Pre-charge the tenant's per-minute limits (429 over a limit); see :mod:`gateway.limits`."""
+        return await self.limits.check(tenant, cost.total_tokens)
+
+    def apply_policy(self, config: GatewayConfig) -> None:
+        """A reloaded, valid config: swap in its tenants and auth as one new snapshot, between requests."""
+        self.policy = Policy(config.auth, config.tenants, self.policy.version + 1)
+        self.metrics.policy_version.set(self.policy.version)
 
     # --- ASGI ---------------------------------------------------------------------------------------
 
@@ -127,7 +133,7 @@ class Gateway:
                 watch = asyncio.create_task(self._watch_disconnect(receive, writer, task))
                 await handle_inference(self, endpoint, scope, receive, writer, request_id)
         except GatewayError as exc:
-            if exc.code not in (None, "queue_full", "queue_timeout", "rate_limit_exceeded"):
+            if exc.code not in _COUNTED_CODES:
                 self.metrics.rejected.labels(exc.code or "error").inc()
             if not writer.started:
                 await writer.error(exc, [(b"x-request-id", request_id.encode())])
@@ -184,6 +190,10 @@ class Gateway:
         await self.scraper.scrape_once()
         await self._resolve_tokenizer()
         self._tasks.append(asyncio.create_task(self.scraper.run(), name="kvgate-scraper"))
+        await self.limits.start()
+        if self.config_path is not None and cfg.reload.enabled:
+            watcher = ConfigWatcher(self.config_path, cfg.reload.interval_s, self.apply_policy, self.metrics)
+            self._tasks.append(asyncio.create_task(watcher.run(), name="kvgate-config-watcher"))
 
     async def _resolve_tokenizer(self) -> None:
         assert self.session is not None
@@ -218,6 +228,7 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.limits.close()
         if self.session is not None:
             await self.session.close()
 
@@ -268,6 +279,8 @@ class Gateway:
                 "queue_depth": len(c.queue),
                 "inflight": len(c.ledger),
                 "tokenizer": self.counter.name,
+                "limits": self.limits.status(),
+                "policy_version": self.policy.version,
             }
             return JSONResponse(body, status_code=200 if ready else 503)
 

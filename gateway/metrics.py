@@ -102,5 +102,36 @@ class GatewayMetrics:
             "kvgate_client_disconnects", "Clients that went away, by stage", ["stage"], registry=r
         )
 
+        # --- tenants, priorities, shared limits, policy reloads ---
+        self.tenant_admitted_tokens = Counter(
+            "kvgate_tenant_admitted_tokens",
+            "Tokens (prompt + reserved output) admitted, by tenant and priority class",
+            ["tenant", "priority"],
+            registry=r,
+        )
+        self.class_queue_wait = Histogram(
+            "kvgate_class_queue_wait_seconds",
+            "Time from arrival to admission, by priority class",
+            ["priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.shed = Counter(
+            "kvgate_requests_shed",
+            "Queued requests pushed out of a full queue by a higher class",
+            ["priority"],
+            registry=r,
+        )
+        self.redis_up = Gauge("kvgate_redis_up", "1 while the shared limit store answers", registry=r)
+        self.limits_degraded = Gauge(
+            "kvgate_limits_degraded",
+            "1 while limits are enforced per replica (Redis down, on_failure: open) or refused (closed)",
+            registry=r,
+        )
+        self.policy_reloads = Counter(
+            "kvgate_policy_reloads", "Config reloads, by result (applied, rejected)", ["result"], registry=r
+        )
+        self.policy_version = Gauge("kvgate_policy_version", "Reloads applied since start, plus one", registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -36,24 +36,32 @@ async def handle_inference(
     request_id: str,
 ) -> None:
     headers = scope["headers"]
-    # 1. authenticate
-    tenant = gw.tenants.authenticate(_header(headers, b"authorization"))
+    # 1. authenticate (against one policy snapshot for the whole request: a reload swaps it between requests)
+    policy = gw.policy
+    tenant = policy.authenticate(_header(headers, b"authorization"))
     # 2. parse (large bodies on a worker thread)
     raw = await read_body(receive, gw.config.limits.max_body_bytes)
     request = await _parse(endpoint, raw)
     # 3. estimate cost (tokenizing long prompts off the event loop)
     cost = await gw.estimate_cost(request)
-    # 4. rate limit (pre-charges prompt + reserved output)
-    limits = gw.check_rate_limit(tenant, cost)
-    reply_headers = [(b"x-request-id", request_id.encode()), *ratelimit_headers(limits)]
+    # 4. rate limit (pre-charges prompt + reserved output; shared across replicas when Redis is configured)
+    tp = policy.resolve(tenant, request.model)
+    charge = await gw.check_rate_limit(tp, cost)
+    reply_headers = [(b"x-request-id", request_id.encode()), *ratelimit_headers(charge.decision)]
+    max_wait = tp.max_queue_wait_s or gw.config.admission.queue_max_wait_s
     generated = 0
     reached_engine = False
     usage = None
     try:
-        # 5. admit, or wait in the queue, or be turned away (429/503)
-        async with gw.admitter.reserve(cost, tenant) as admission:
-            if admission.waited_s > 0:
-                reply_headers += _queue_headers(admission.queue_position, admission.waited_s)
+        # 5. take a concurrency slot of the tenant, then admit, or wait in the queue, or be turned away
+        async with (
+            gw.limits.slot(tp, max_wait, lambda: gw.controller.queue.tenant_len(tenant)) as slot_wait,
+            gw.admitter.reserve(cost, tenant, max(0.0, max_wait - slot_wait), tp.qclass) as admission,
+        ):
+            if admission.waited_s > 0 or slot_wait > 0:
+                reply_headers += _queue_headers(
+                    admission.queue_position, slot_wait + admission.waited_s, admission.eta_s
+                )
 
             def on_progress(events: int) -> None:
                 nonlocal generated
@@ -77,14 +85,13 @@ async def handle_inference(
     finally:
         # 7. settle (the reservation itself was released when the `async with` exited)
         settle(
-            tenant=tenant,
+            charge=charge,
             cost=cost,
             usage=usage,
             generated_events=generated,
             reached_engine=reached_engine,
-            limiter=gw.limiter,
+            limits=gw.limits,
             metrics=gw.metrics,
-            now=gw.clock(),
         )
     log.debug(
         "done tenant=%s blocks=%d generated=%d",
@@ -135,11 +142,15 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     return None
 
 
-def _queue_headers(position: int, waited_s: float) -> list[tuple[bytes, bytes]]:
-    return [
+def _queue_headers(position: int, waited_s: float, eta_s: float | None = None) -> list[tuple[bytes, bytes]]:
+    """Where the request stood in line on arrival, the ETA estimated then, and how long it really waited."""
+    headers = [
         (b"x-kvgate-queue-position", str(position).encode()),
         (b"x-kvgate-queue-wait-ms", str(round(waited_s * 1000)).encode()),
     ]
+    if eta_s is not None:
+        headers.append((b"x-kvgate-queue-eta-ms", str(round(eta_s * 1000)).encode()))
+    return headers
 
 
 __all__ = ["Send", "handle_inference", "handle_passthrough", "read_body"]

@@ -18,6 +18,7 @@ class TokenBucket:
 
     def __init__(self, capacity: float, period_s: float, now: float) -> None:
         self.capacity = capacity
+        self.period_s = period_s
         self.rate = capacity / period_s
         self.level = capacity
         self.updated = now
@@ -48,6 +49,14 @@ class TokenBucket:
         self._refill(now)
         self.level = min(self.capacity, self.level + amount)
 
+    def resize(self, capacity: float, now: float) -> None:
+        """A reloaded limit: keep what was used, at the new capacity and rate."""
+        self._refill(now)
+        used = self.capacity - self.level
+        self.capacity = capacity
+        self.rate = capacity / self.period_s
+        self.level = max(0.0, min(capacity, capacity - used))
+
     def reset_after(self, now: float) -> float:
         """Seconds until the bucket is full again."""
         self._refill(now)
@@ -72,25 +81,61 @@ class RateDecision:
     exceeded: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The per-minute limits of one bucket key (None = unlimited)."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return bool(self.requests_per_minute or self.tokens_per_minute)
+
+    def scaled(self, divisor: int) -> Limits:
+        """This replica's share when the shared counters are out of reach (fail-open)."""
+        return Limits(_share(self.requests_per_minute, divisor), _share(self.tokens_per_minute, divisor))
+
+
+def _share(limit: int | None, divisor: int) -> int | None:
+    return None if limit is None else max(1, math.ceil(limit / divisor))
+
+
 class RateLimiter:
-    def __init__(self, tenants: list[TenantConfig]) -> None:
-        self._limits = {t.name: t for t in tenants}
+    """In-process token buckets by key (a tenant, or a tenant and a model with its own limits)."""
+
+    def __init__(self, tenants: list[TenantConfig] | None = None) -> None:
+        self._defaults = {
+            t.name: Limits(t.requests_per_minute, t.tokens_per_minute) for t in tenants or []
+        }
         self._requests: dict[str, TokenBucket] = {}
         self._tokens: dict[str, TokenBucket] = {}
 
-    def _buckets(self, tenant: str, now: float) -> tuple[TokenBucket | None, TokenBucket | None]:
-        cfg = self._limits.get(tenant)
-        if cfg is None:
-            return None, None
-        if cfg.requests_per_minute and tenant not in self._requests:
-            self._requests[tenant] = TokenBucket(cfg.requests_per_minute, 60.0, now)
-        if cfg.tokens_per_minute and tenant not in self._tokens:
-            self._tokens[tenant] = TokenBucket(cfg.tokens_per_minute, 60.0, now)
-        return self._requests.get(tenant), self._tokens.get(tenant)
+    def _bucket(
+        self, table: dict[str, TokenBucket], key: str, capacity: int | None, now: float
+    ) -> TokenBucket | None:
+        if not capacity:
+            table.pop(key, None)
+            return None
+        bucket = table.get(key)
+        if bucket is None:
+            bucket = table[key] = TokenBucket(capacity, 60.0, now)
+        elif bucket.capacity != capacity:
+            bucket.resize(capacity, now)
+        return bucket
 
-    def check(self, tenant: str, tokens: int, now: float) -> RateDecision:
+    def _buckets(
+        self, key: str, limits: Limits | None, now: float
+    ) -> tuple[TokenBucket | None, TokenBucket | None]:
+        lim = limits if limits is not None else self._defaults.get(key, Limits())
+        return (
+            self._bucket(self._requests, key, lim.requests_per_minute, now),
+            self._bucket(self._tokens, key, lim.tokens_per_minute, now),
+        )
+
+    def check(self, key: str, tokens: int, now: float, limits: Limits | None = None) -> RateDecision:
         """Charge one request and ``tokens`` if both fit; else charge nothing and say how long to wait."""
-        req_bucket, tok_bucket = self._buckets(tenant, now)
+        req_bucket, tok_bucket = self._buckets(key, limits, now)
         req_wait = req_bucket.wait_for(1, now) if req_bucket else 0.0
         tok_wait = tok_bucket.wait_for(tokens, now) if tok_bucket else 0.0
         allowed = req_wait == 0.0 and tok_wait == 0.0
@@ -110,9 +155,9 @@ class RateLimiter:
             exceeded,
         )
 
-    def settle(self, tenant: str, charged: int, actual: int, now: float) -> None:
+    def settle(self, key: str, charged: int, actual: int, now: float) -> None:
         """Refund the part of the pre-charge the request did not use."""
-        _, tok_bucket = self._buckets(tenant, now)
+        tok_bucket = self._tokens.get(key)
         if tok_bucket and actual < charged:
             tok_bucket.refund(charged - actual, now)
 

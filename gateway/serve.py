@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         return 2
     configure_logging(config.log_level)
-    gateway = Gateway(config)
+    gateway = Gateway(config, config_path=args.config)
     uv_config = uvicorn.Config(
         gateway,
         host=config.listen.host,

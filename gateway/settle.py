@@ -10,22 +10,21 @@ from __future__ import annotations
 
 from gateway.cost import RequestCost
 from gateway.forward import Usage
+from gateway.limits import Charge, SharedLimits
 from gateway.metrics import GatewayMetrics
-from gateway.ratelimit import RateLimiter
 
 
 def settle(
     *,
-    tenant: str,
+    charge: Charge,
     cost: RequestCost,
     usage: Usage | None,
     generated_events: int,
     reached_engine: bool,
-    limiter: RateLimiter,
+    limits: SharedLimits,
     metrics: GatewayMetrics,
-    now: float,
 ) -> int:
-    """Refund unused pre-charged tokens; returns the tokens finally charged."""
+    """Refund unused pre-charged tokens (to the counter that took them); returns the tokens finally charged."""
     charged = cost.total_tokens
     if not reached_engine:
         actual = 0
@@ -39,5 +38,5 @@ def settle(
     else:
         actual = sum(cost.prompt_tokens) + generated_events
     actual = min(actual, charged)
-    limiter.settle(tenant, charged, actual, now)
+    limits.settle(charge, actual)
     return actual

@@ -1,0 +1,281 @@
+"""Where a tenant's counters live: in-process, or in Redis shared by every replica, with the fallback.
+
+* No ``redis.url``: token buckets and concurrency slots in this process (:mod:`gateway.ratelimit`,
+  :mod:`gateway.slots`).
+* ``redis.url`` set and Redis answering: the same counters in Redis, changed by Lua scripts.
+* Redis down: ``on_failure: open`` counts locally with each limit divided by ``replicas`` (reported as
+  degraded), ``closed`` refuses tenants that have limits with 503 until Redis answers again.
+
+A request waits for a concurrency slot in FIFO order behind the other requests of its key on this replica;
+with Redis it retries every ``slot_poll_s`` (slots freed on other replicas are not announced) and at once
+when a slot is freed here. Settling and releasing never make a request wait on Redis: they run in the
+background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.config import RedisConfig
+from gateway.errors import GatewayError, queue_timeout
+from gateway.metrics import GatewayMetrics
+from gateway.policy import TenantPolicy
+from gateway.ratelimit import Limits, RateDecision, RateLimiter, ratelimit_headers
+from gateway.redis_state import RedisState, RedisUnavailable
+from gateway.slots import Slot, SlotTable
+
+log = logging.getLogger("kvgate.limits")
+
+_UNLIMITED = RateDecision(True, 0.0, None, None)
+
+
+@dataclass(slots=True)
+class Charge:
+    """What a request was charged, and where, so the refund goes back to the same counter."""
+
+    key: str
+    limits: Limits
+    tokens: int
+    backend: str  # "local" | "redis" | "none"
+    decision: RateDecision
+
+
+class SharedLimits:
+    def __init__(
+        self, cfg: RedisConfig, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.clock = clock
+        self.local = RateLimiter()
+        self.slots = SlotTable()
+        self.redis = RedisState(cfg, self._on_health) if cfg.url else None
+        self._waiters: dict[str, deque[asyncio.Event]] = {}
+        self._redis_held: dict[str, tuple[str, str]] = {}
+        self._members = itertools.count(1)
+        self._background: set[asyncio.Task[Any]] = set()
+        self._renewer: asyncio.Task[None] | None = None
+        metrics.redis_up.set(0)
+        metrics.limits_degraded.set(0)
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.redis is None:
+            return
+        await self.redis.start()
+        self._on_health(self.redis.healthy)
+        self._renewer = asyncio.create_task(self._renew_leases(), name="kvgate-slot-leases")
+
+    async def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.cfg.timeout_s * 4)
+        if self.redis is not None:
+            await self.redis.close()
+
+    def _on_health(self, up: bool) -> None:
+        self.metrics.redis_up.set(1 if up else 0)
+        self.metrics.limits_degraded.set(0 if up else 1)
+
+    @property
+    def degraded(self) -> bool:
+        return self.redis is not None and not self.redis.healthy
+
+    def status(self) -> dict[str, object]:
+        """For /readyz."""
+        if self.redis is None:
+            return {"backend": "local", "degraded": False}
+        return {
+            "backend": "redis",
+            "redis": "up" if self.redis.healthy else "down",
+            "on_failure": self.cfg.on_failure,
+            "degraded": self.degraded,
+        }
+
+    # --- rate limits --------------------------------------------------------------------------------
+
+    async def check(self, tp: TenantPolicy, tokens: int) -> Charge:
+        """Charge one request and ``tokens`` against the tenant's per-minute limits, or raise 429 (or 503
+        when Redis is down and ``on_failure: closed``)."""
+        if not tp.limits.any:
+            return Charge(tp.key, tp.limits, tokens, "none", _UNLIMITED)
+        charge: Charge | None = None
+        if self.redis is not None and self.redis.healthy:
+            with contextlib.suppress(RedisUnavailable):
+                decision = await self.redis.check(tp.key, tp.limits, tokens)
+                charge = Charge(tp.key, tp.limits, tokens, "redis", decision)
+        if charge is None:
+            limits = tp.limits
+            if self.redis is not None:
+                self._refuse_if_closed(tp)
+                limits = limits.scaled(self.cfg.replicas)
+            charge = Charge(tp.key, limits, tokens, "local", self.local.check(tp.key, tokens, self.clock(), limits))
+        decision = charge.decision
+        if not decision.allowed:
+            self.metrics.rejected.labels("rate_limited").inc()
+            raise GatewayError(
+                429,
+                f"Rate limit reached for tenant '{tp.tenant}' on {decision.exceeded} per minute.",
+                type="requests" if decision.exceeded == "requests" else "tokens",
+                code="rate_limit_exceeded",
+                retry_after_s=decision.retry_after_s if decision.retry_after_s != float("inf") else 60.0,
+                extra_headers=ratelimit_headers(decision),
+            )
+        return charge
+
+    def settle(self, charge: Charge, actual: int) -> None:
+        """Refund the unused part of the pre-charge, to the counter that took it; never waits on Redis."""
+        unused = charge.tokens - actual
+        if unused <= 0 or not charge.limits.tokens_per_minute:
+            return
+        if charge.backend == "local":
+            self.local.settle(charge.key, charge.tokens, actual, self.clock())
+        elif charge.backend == "redis" and self.redis is not None:
+            self._spawn(self.redis.refund(charge.key, charge.limits, unused))
+
+    def _refuse_if_closed(self, tp: TenantPolicy) -> None:
+        if self.cfg.on_failure == "closed":
+            self.metrics.rejected.labels("limits_unavailable").inc()
+            raise GatewayError(
+                503,
+                "The gateway cannot reach its shared rate-limit store; retry later.",
+                type="service_unavailable",
+                code="limits_unavailable",
+                retry_after_s=self.cfg.reconnect_interval_s,
+            )
+
+    # --- concurrency slots --------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def slot(
+        self, tp: TenantPolicy, wait_s: float, queued_elsewhere: Callable[[], int] = lambda: 0
+    ) -> AsyncIterator[float]:
+        """Hold one of the tenant's concurrency slots for the body; yields the seconds spent waiting.
+
+        ``queued_elsewhere`` counts the tenant's requests waiting in the admission queue, so that
+        ``max_queued`` bounds both waits together."""
+        if tp.max_concurrent is None:
+            yield 0.0
+            return
+        started = self.clock()
+        slot = await self._acquire(tp, tp.max_concurrent, started, started + wait_s, queued_elsewhere)
+        try:
+            yield self.clock() - started
+        finally:
+            self._release(slot)
+
+    async def _acquire(
+        self,
+        tp: TenantPolicy,
+        limit: int,
+        started: float,
+        deadline: float,
+        queued_elsewhere: Callable[[], int],
+    ) -> Slot:
+        line = self._waiters.setdefault(tp.key, deque())
+        if not line:
+            slot = await self._try(tp, limit)
+            if slot is not None:
+                return slot
+        max_queued = tp.qclass.max_queued
+        if max_queued is not None and len(line) + queued_elsewhere() >= max_queued:
+            self.metrics.rejected.labels("tenant_queue_full").inc()
+            raise GatewayError(
+                429,
+                f"Tenant '{tp.tenant}' has {max_queued} request(s) waiting already.",
+                type="rate_limit_exceeded",
+                code="tenant_queue_full",
+                retry_after_s=1.0,
+                extra={"queue_position": len(line) + 1},
+            )
+        me = asyncio.Event()
+        line.append(me)
+        try:
+            while True:
+                head = line[0] is me
+                if head:
+                    slot = await self._try(tp, limit)
+                    if slot is not None:
+                        return slot
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    self.metrics.rejected.labels("queue_timeout").inc()
+                    raise queue_timeout(
+                        1.0,
+                        self.clock() - started,
+                        {"queue_position": line.index(me) + 1, "waiting_for": "concurrency_slot"},
+                    )
+                shared = self.redis is not None and self.redis.healthy
+                poll = min(remaining, self.cfg.slot_poll_s) if head and shared else remaining
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(me.wait(), poll)
+                me.clear()
+        finally:
+            with contextlib.suppress(ValueError):
+                line.remove(me)
+            if line:
+                line[0].set()  # the next one tries: there may be room for it too
+            elif self._waiters.get(tp.key) is line:
+                del self._waiters[tp.key]
+
+    async def _try(self, tp: TenantPolicy, limit: int) -> Slot | None:
+        if self.redis is not None and self.redis.healthy:
+            member = f"{self.redis.replica_id}:{next(self._members)}"
+            try:
+                got = await self.redis.acquire(tp.key, limit, member)
+            except RedisUnavailable:
+                got = None
+            except asyncio.CancelledError:
+                self._spawn(self.redis.release(tp.key, member))  # it may have been granted meanwhile
+                raise
+            if got is not None:
+                if not got:
+                    return None
+                self._redis_held[member] = (tp.key, member)
+                return Slot(tp.key, "redis", member)
+        if self.redis is not None:
+            self._refuse_if_closed(tp)
+            limit = max(1, -(-limit // self.cfg.replicas))
+        return self.slots.try_acquire(tp.key, limit)
+
+    def _release(self, slot: Slot) -> None:
+        if slot.released:
+            return
+        if slot.backend == "local":
+            self.slots.release(slot)
+        else:
+            slot.released = True
+            self._redis_held.pop(slot.member, None)
+            if self.redis is not None:
+                self._spawn(self.redis.release(slot.key, slot.member))
+        line = self._waiters.get(slot.key)
+        if line:
+            line[0].set()
+
+    async def _renew_leases(self) -> None:
+        assert self.redis is not None
+        while True:
+            await asyncio.sleep(self.cfg.slot_lease_s / 3)
+            with contextlib.suppress(RedisUnavailable):
+                await self.redis.renew(list(self._redis_held.values()))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        async def quietly() -> None:
+            with contextlib.suppress(RedisUnavailable):
+                await coro
+
+        task = asyncio.create_task(quietly())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

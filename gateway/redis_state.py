@@ -1,0 +1,238 @@
+"""Rate-limit counters and concurrency slots in Redis, changed only by atomic Lua scripts.
+
+Every replica runs the same scripts against the same keys, so N replicas enforce one limit. Time inside the
+scripts is Redis's own (``TIME``), so the replicas' clocks do not need to agree.
+
+No request waits on Redis longer than ``timeout_s``: a call that fails or times out marks Redis *down*, and
+while it is down calls fail at once (the caller falls back or refuses, per ``on_failure``) until a background
+probe sees it answer again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.config import RedisConfig
+from gateway.ratelimit import Limits, LimitState, RateDecision
+
+log = logging.getLogger("kvgate.redis")
+
+T = TypeVar("T")
+
+# A token bucket per key, the same arithmetic as gateway.ratelimit.TokenBucket: capacity per 60 s.
+# ARGV: rpm (0 = unlimited), tpm (0 = unlimited), tokens to charge.
+# Returns {allowed, requests left, tokens left, request wait s, token wait s (-1 = never fits)}.
+_CHECK = """
+local key = KEYS[1]
+local rpm, tpm, tokens = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local v = redis.call('HMGET', key, 'r', 'rt', 't', 'tt')
+local function refill(level, ts, cap)
+  if cap <= 0 then return 0 end
+  if not level then return cap end
+  level, ts = tonumber(level), tonumber(ts)
+  if now > ts then level = level + (now - ts) * cap / 60 end
+  return math.min(cap, level)
+end
+local r, tk = refill(v[1], v[2], rpm), refill(v[3], v[4], tpm)
+local rwait, twait = 0, 0
+if rpm > 0 and r < 1 then rwait = (1 - r) * 60 / rpm end
+if tpm > 0 and tk < tokens then
+  if tokens > tpm then twait = -1 else twait = (tokens - tk) * 60 / tpm end
+end
+local allowed = 0
+if rwait == 0 and twait == 0 then
+  allowed = 1
+  if rpm > 0 then r = r - 1 end
+  if tpm > 0 then tk = tk - tokens end
+end
+redis.call('HSET', key, 'r', tostring(r), 'rt', tostring(now), 't', tostring(tk), 'tt', tostring(now))
+redis.call('PEXPIRE', key, 61000)
+return {allowed, tostring(r), tostring(tk), tostring(rwait), tostring(twait)}
+"""
+
+# Give back unused pre-charged tokens. ARGV: tpm, amount.
+_REFUND = """
+local key = KEYS[1]
+local tpm, amount = tonumber(ARGV[1]), tonumber(ARGV[2])
+local v = redis.call('HMGET', key, 't', 'tt')
+if not v[1] then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local level, ts = tonumber(v[1]), tonumber(v[2])
+if now > ts then level = level + (now - ts) * tpm / 60 end
+level = math.min(tpm, level + amount)
+redis.call('HSET', key, 't', tostring(level), 'tt', tostring(now))
+return 1
+"""
+
+# A concurrency slot is a member of a sorted set scored by its lease expiry (ms, Redis time): a replica that
+# dies without releasing loses its slots when the lease runs out. ARGV: limit, member, lease ms.
+_ACQUIRE = """
+local key = KEYS[1]
+local limit, member, lease = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+if redis.call('ZSCORE', key, member) then return 1 end
+if redis.call('ZCARD', key) < limit then
+  redis.call('ZADD', key, now + lease, member)
+  redis.call('PEXPIRE', key, lease * 2)
+  return 1
+end
+return 0
+"""
+
+# Extend the leases of slots this replica still holds. KEYS: sets; ARGV: lease ms, then one member per key.
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lease = tonumber(ARGV[1])
+for i, key in ipairs(KEYS) do
+  redis.call('ZADD', key, 'XX', now + lease, ARGV[i + 1])
+  redis.call('PEXPIRE', key, lease * 2)
+end
+return #KEYS
+"""
+
+
+class RedisUnavailable(Exception):
+    """Redis did not answer in time (or is known to be down): the caller applies ``on_failure``."""
+
+
+class RedisState:
+    def __init__(self, cfg: RedisConfig, on_health: Callable[[bool], None] = lambda up: None) -> None:
+        assert cfg.url is not None
+        self.cfg = cfg
+        self.healthy = False
+        self.replica_id = os.urandom(6).hex()
+        self.errors = 0
+        self._on_health = on_health
+        self._client = aioredis.Redis.from_url(
+            cfg.url,
+            socket_timeout=cfg.timeout_s,
+            socket_connect_timeout=cfg.timeout_s,
+            retry_on_timeout=False,
+            retry=None,
+            health_check_interval=0,
+        )
+        self._check = self._client.register_script(_CHECK)
+        self._refund = self._client.register_script(_REFUND)
+        self._acquire = self._client.register_script(_ACQUIRE)
+        self._renew = self._client.register_script(_RENEW)
+        self._probe: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def key(self, kind: str, name: str) -> str:
+        return f"{self.cfg.key_prefix}:{kind}:{name}"
+
+    # --- health -------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        try:
+            await asyncio.wait_for(self._client.ping(), max(self.cfg.timeout_s, 1.0))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._mark_down(exc)
+            return
+        self._set_health(True)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+        with contextlib.suppress(RedisError, OSError):
+            await self._client.aclose()
+
+    def _set_health(self, up: bool) -> None:
+        if up != self.healthy:
+            self.healthy = up
+            log.warning("redis %s (%s)", "is back" if up else "is DOWN", self.cfg.url)
+            self._on_health(up)
+
+    def _mark_down(self, exc: BaseException) -> None:
+        self.errors += 1
+        log.debug("redis call failed: %r", exc)
+        self._set_health(False)
+        if (self._probe is None or self._probe.done()) and not self._closed:
+            self._probe = asyncio.create_task(self._reconnect(), name="kvgate-redis-probe")
+
+    async def _reconnect(self) -> None:
+        """Probe until Redis answers; requests meanwhile take the fallback without waiting on Redis."""
+        while not self._closed:
+            await asyncio.sleep(self.cfg.reconnect_interval_s)
+            try:
+                await asyncio.wait_for(self._client.ping(), max(self.cfg.timeout_s, 0.5))
+            except (RedisError, OSError, TimeoutError):
+                continue
+            self._set_health(True)
+            return
+
+    async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
+        if not self.healthy:
+            raise RedisUnavailable
+        try:
+            return await asyncio.wait_for(op(), self.cfg.timeout_s)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._mark_down(exc)
+            raise RedisUnavailable from exc
+
+    # --- rate limits --------------------------------------------------------------------------------
+
+    async def check(self, key: str, limits: Limits, tokens: int) -> RateDecision:
+        rpm, tpm = limits.requests_per_minute or 0, limits.tokens_per_minute or 0
+        out: list[Any] = await self._call(
+            lambda: self._check(keys=[self.key("rl", key)], args=[rpm, tpm, tokens])
+        )
+        allowed = int(out[0]) == 1
+        req_left, tok_left, req_wait, tok_wait = (float(x) for x in out[1:])
+        tok_wait = math.inf if tok_wait < 0 else tok_wait
+        exceeded = None if allowed else ("requests" if req_wait >= tok_wait else "tokens")
+        return RateDecision(
+            allowed,
+            max(req_wait, tok_wait),
+            _state(rpm, req_left),
+            _state(tpm, tok_left),
+            exceeded,
+        )
+
+    async def refund(self, key: str, limits: Limits, amount: int) -> None:
+        tpm = limits.tokens_per_minute
+        if tpm and amount > 0:
+            await self._call(lambda: self._refund(keys=[self.key("rl", key)], args=[tpm, amount]))
+
+    # --- concurrency slots --------------------------------------------------------------------------
+
+    async def acquire(self, key: str, limit: int, member: str) -> bool:
+        lease_ms = int(self.cfg.slot_lease_s * 1000)
+        got = await self._call(
+            lambda: self._acquire(keys=[self.key("slots", key)], args=[limit, member, lease_ms])
+        )
+        return int(got) == 1
+
+    async def release(self, key: str, member: str) -> None:
+        await self._call(lambda: self._client.zrem(self.key("slots", key), member))
+
+    async def renew(self, held: list[tuple[str, str]]) -> None:
+        if not held:
+            return
+        lease_ms = int(self.cfg.slot_lease_s * 1000)
+        keys = [self.key("slots", k) for k, _ in held]
+        await self._call(lambda: self._renew(keys=keys, args=[lease_ms, *(m for _, m in held)]))
+
+
+def _state(limit: int, left: float) -> LimitState | None:
+    if limit <= 0:
+        return None
+    return LimitState(limit, max(0, math.floor(left)), (limit - left) * 60.0 / limit)
