@@ -1,0 +1,213 @@
+"""Tenant policy: config, per-model overrides, limit arithmetic, in-process slots, hot reload, the schema."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.admission import AdmissionController, Admitted, Queued, UsageSample
+from gateway.auth import key_digest
+from gateway.config import ConfigError, RedisConfig, parse_config
+from gateway.cost import KvGeometry, RequestCost
+from gateway.errors import GatewayError
+from gateway.limits import SharedLimits
+from gateway.metrics import GatewayMetrics
+from gateway.policy import Policy
+from gateway.queue import QueueClass
+from gateway.ratelimit import Limits, RateLimiter, TokenBucket
+from gateway.reload import ConfigWatcher
+from gateway.schema import render
+from gateway.slots import SlotTable
+
+ROOT = Path(__file__).resolve().parents[2]
+
+POLICY_YAML = f"""
+auth:
+  require_api_key: false
+  default_tenant: anon
+tenants:
+  - name: anon
+    priority: sheddable
+    requests_per_minute: 10
+  - name: team-a
+    api_keys: ["sk-a", "sha256:{key_digest("sk-a2")}"]
+    priority: critical
+    weight: 2
+    tokens_per_minute: 1000
+    max_concurrent: 4
+    max_queued: 8
+    max_queue_wait_s: 5
+    models:
+      big:
+        tokens_per_minute: 100
+        max_concurrent: 1
+"""
+
+
+def test_policy_resolves_tenants_and_model_overrides() -> None:
+    cfg = parse_config(POLICY_YAML)
+    policy = Policy(cfg.auth, cfg.tenants)
+    assert policy.authenticate(b"Bearer sk-a2") == "team-a"
+    assert policy.authenticate(None) == "anon"
+    a = policy.resolve("team-a", "small")
+    assert (a.key, a.limits, a.max_concurrent, a.max_queue_wait_s) == ("team-a", Limits(None, 1000), 4, 5.0)
+    assert a.qclass == QueueClass(priority=0, weight=2.0, max_queued=8) and a.priority_name == "critical"
+    big = policy.resolve("team-a", "big")
+    assert (big.key, big.limits, big.max_concurrent, big.qclass.weight) == ("team-a/big", Limits(None, 100), 1, 2.0)
+    anon = policy.resolve("anon", None)
+    assert anon.qclass.priority == 2 and anon.limits == Limits(10, None) and anon.shared
+    unknown = policy.resolve("nobody", None)
+    assert unknown.qclass == QueueClass() and not unknown.shared
+
+
+def test_config_errors_point_at_the_tenant() -> None:
+    bad = POLICY_YAML.replace("priority: critical", "priority: urgent").replace("weight: 2", "weight: 0")
+    with pytest.raises(ConfigError) as err:
+        parse_config(bad, "p.yaml")
+    assert any(e.startswith("p.yaml:11:5: tenants.1.priority: Input should be 'critical'") for e in err.value.errors)
+    assert any(e.startswith("p.yaml:12:5: tenants.1.weight: Input should be greater than 0") for e in err.value.errors)
+    with pytest.raises(ConfigError) as err:
+        parse_config("tenants:\n  - name: a\n    api_keys: [k]\n  - name: b\n    api_keys: [k]\n", "p.yaml")
+    assert "already used by another tenant" in err.value.errors[0]
+    with pytest.raises(ConfigError) as err:
+        parse_config("tenants:\n  - name: a\n    api_keys: ['sha256:abc']\n", "p.yaml")
+    assert "64 hex digits" in err.value.errors[0]
+
+
+def test_published_schema_is_current_and_validates_the_examples() -> None:
+    published = (ROOT / "docs/kvgate.schema.json").read_text()
+    assert published == render(), "regenerate: python -m gateway.schema > docs/kvgate.schema.json"
+    jsonschema = pytest.importorskip("jsonschema")
+    import yaml
+
+    schema = json.loads(render())
+    jsonschema.validate(yaml.safe_load(POLICY_YAML), schema)
+    for example in ("deploy/base/kvgate.yaml", "deploy/overlays/standalone/kvgate.yaml"):
+        jsonschema.validate(yaml.safe_load((ROOT / example).read_text()), schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"tenants": [{"name": "a", "priority": "urgent"}]}, schema)
+
+
+@given(st.integers(1, 10**6), st.integers(1, 16))
+def test_degraded_share_never_rounds_to_zero_and_covers_the_limit(limit: int, replicas: int) -> None:
+    share = Limits(limit, limit).scaled(replicas)
+    assert share.requests_per_minute is not None and share.requests_per_minute >= 1
+    assert limit <= share.requests_per_minute * replicas < limit + replicas
+
+
+def test_reloaded_limit_keeps_what_was_used() -> None:
+    b = TokenBucket(100, 60.0, 0.0)
+    b.take(30, 0.0)
+    b.resize(50, 0.0)
+    assert b.available(0.0) == 20 and b.wait_for(21, 0.0) > 0
+    rl = RateLimiter()
+    assert rl.check("k", 0, 0.0, Limits(2, None)).allowed
+    assert rl.check("k", 0, 0.0, Limits(2, None)).allowed
+    assert not rl.check("k", 0, 0.0, Limits(2, None)).allowed
+    assert rl.check("k", 0, 0.0, Limits(None, None)).allowed  # limit removed by a reload
+
+
+def test_slot_released_exactly_once() -> None:
+    t = SlotTable()
+    a, b = t.try_acquire("k", 2), t.try_acquire("k", 2)
+    assert a and b and t.try_acquire("k", 2) is None
+    assert t.release(a) and not t.release(a)
+    assert t.held("k") == 1 and t.try_acquire("k", 2)
+
+
+def test_critical_is_admitted_past_waiting_sheddable_and_pumped_first() -> None:
+    c = AdmissionController(parse_config("").admission, KvGeometry(16, 100))
+    c.begin_sample()
+    c.apply_sample(UsageSample(0.0, 0.0))
+    rc = RequestCost((16,), 1, 16 * 40, 41)
+    big = c.submit(rc, "x", 0.0)
+    assert isinstance(big, Admitted)
+    shed = c.submit(RequestCost((16,), 1, 16 * 59, 60), "s", 0.0, qclass=QueueClass(2))
+    assert isinstance(shed, Queued)  # does not fit
+    crit = c.submit(RequestCost((16,), 1, 16, 2), "c", 0.0, qclass=QueueClass(0))
+    assert isinstance(crit, Admitted)  # fits, and nothing of its class or higher waits
+    std = c.submit(RequestCost((16,), 1, 16 * 10, 11), "n", 0.0, qclass=QueueClass(1))
+    assert isinstance(std, Queued) is False  # sheddable waiting does not hold back a standard that fits
+    c.release(big.reservation, 1.0)
+    assert [t.tenant for t, _ in c.pump(1.0)] == ["s"]
+
+
+async def test_local_slots_wait_in_fifo_order_and_bound_the_queue() -> None:
+    cfg = parse_config(POLICY_YAML)
+    tp = Policy(cfg.auth, cfg.tenants).resolve("team-a", "big")  # max_concurrent 1, max_queued 8
+    limits = SharedLimits(RedisConfig(), GatewayMetrics())
+    order: list[int] = []
+    gate = asyncio.Event()
+
+    async def one(i: int) -> None:
+        async with limits.slot(tp, 10.0):
+            order.append(i)
+            await gate.wait()
+
+    tasks = [asyncio.create_task(one(i)) for i in range(5)]
+    await asyncio.sleep(0.01)
+    assert order == [0] and limits.slots.held("team-a/big") == 1
+    # the tenant's queue bound counts the admission queue too
+    with pytest.raises(GatewayError) as err:
+        async with limits.slot(tp, 10.0, queued_elsewhere=lambda: 4):
+            pass
+    assert err.value.status == 429 and err.value.code == "tenant_queue_full"
+    gate.set()
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3, 4] and limits.slots.held("team-a/big") == 0
+
+
+async def test_slot_wait_times_out_and_a_cancelled_waiter_leaves_the_line() -> None:
+    cfg = parse_config(POLICY_YAML)
+    tp = Policy(cfg.auth, cfg.tenants).resolve("team-a", "big")
+    limits = SharedLimits(RedisConfig(), GatewayMetrics())
+    async with limits.slot(tp, 1.0):
+        with pytest.raises(GatewayError) as err:
+            async with limits.slot(tp, 0.01):
+                pass
+        assert err.value.status == 503 and err.value.extra["waiting_for"] == "concurrency_slot"
+        waiter = asyncio.create_task(limits.slot(tp, 10.0).__aenter__())
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+    assert limits.slots.held("team-a/big") == 0 and not limits._waiters
+    async with limits.slot(tp, 0.01):
+        pass
+
+
+async def test_watcher_applies_a_configmap_symlink_swap_and_rejects_an_invalid_file(tmp_path: Path) -> None:
+    """The layout kubelet writes: kvgate.yaml -> ..data/kvgate.yaml, ..data -> ..<timestamp>/."""
+
+    def version(name: str, text: str) -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "kvgate.yaml").write_text(text)
+        os.symlink(name, tmp_path / "..data_tmp")
+        os.replace(tmp_path / "..data_tmp", tmp_path / "..data")  # the atomic swap
+
+    version("..v1", "tenants:\n  - name: a\n    requests_per_minute: 5\n")
+    os.symlink("..data/kvgate.yaml", tmp_path / "kvgate.yaml")
+    applied: list[int | None] = []
+    metrics = GatewayMetrics()
+    watcher = ConfigWatcher(
+        str(tmp_path / "kvgate.yaml"), 1.0, lambda c: applied.append(c.tenants[0].requests_per_minute), metrics
+    )
+    assert await watcher.check() is None and applied == []
+    version("..v2", "tenants:\n  - name: a\n    requests_per_minute: 7\n")
+    assert await watcher.check() is True and applied == [7]
+    version("..v3", "tenants:\n  - name: a\n    requests_per_minute: -1\n")
+    assert await watcher.check() is False and applied == [7]
+    assert await watcher.check() is None  # the same bad file is not re-reported
+    (tmp_path / "..data").unlink()
+    assert await watcher.check() is None  # missing mid-swap: keep going
+    version("..v4", "tenants:\n  - name: a\n    requests_per_minute: 9\n")
+    assert await watcher.check() is True and applied == [7, 9]
+    text = metrics.render().decode()
+    assert 'kvgate_policy_reloads_total{result="applied"} 2.0' in text
+    assert 'kvgate_policy_reloads_total{result="rejected"} 1.0' in text
