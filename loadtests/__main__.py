@@ -35,12 +35,13 @@ def main(argv: list[str]) -> int:
     rep = sub.add_parser("report", help="the full committed report: sweep + every scenario's compare")
     rep.add_argument("--out", default=str(HERE / "results"))
     rep.add_argument("--only", help="comma list of scenario names to (re)run")
+    rep.add_argument("--keep-sweep", action="store_true", help="reuse a saved sweep.json")
     args = p.parse_args(argv)
 
     if args.cmd == "report":
         from loadtests.full_report import build
 
-        return build(Path(args.out), set(args.only.split(",")) if args.only else None)
+        return build(Path(args.out), set(args.only.split(",")) if args.only else None, args.keep_sweep)
     sc = scenario.load(args.scenario)
     out = Path(args.out) if args.out else HERE / "results" / sc.name
     out.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ the issue's claims against the numbers it just measured (each check prints PASS 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def overload_checks(res: list[compare.ArmResult]) -> list[str]:
     ]
 
 
-def build(out: Path, only: set[str] | None) -> int:
+def build(out: Path, only: set[str] | None, keep_sweep: bool = False) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sections: dict[str, str] = {}
     best: dict[str, Any] | None = None
@@ -76,7 +77,8 @@ def build(out: Path, only: set[str] | None) -> int:
         extra: list[str] = []
         if name == "burst-8b-h100":
             print(f"sweep for {name}", flush=True)
-            sw = sweep(sc, dest)
+            saved = dest / "sweep.json"
+            sw = json.loads(saved.read_text()) if keep_sweep and saved.exists() else sweep(sc, dest)
             best = sw["best_stable"]
             extra.append(sweep_table(sw))
         print(f"compare {name}: {', '.join(arms)}", flush=True)

@@ -125,6 +125,16 @@ def _error_code(body: bytes) -> str:
         return "non-json"
 
 
+async def _scrape(session: aiohttp.ClientSession, url: str, wanted: set[str]) -> dict[str, float] | None:
+    try:
+        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+            if r.status == 200:
+                return read_series(await r.text(), wanted)
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+    return None
+
+
 async def sample_loop(
     session: aiohttp.ClientSession,
     backend: str,
@@ -133,38 +143,34 @@ async def sample_loop(
     out: list[Sample],
     stop: asyncio.Event,
 ) -> None:
+    """Scrape the backend (and the gateway, concurrently) every 1/SAMPLE_HZ real seconds."""
     period = 1.0 / SAMPLE_HZ
     next_at = time.monotonic()
     while not stop.is_set():
-        s = Sample(clock.now(), up=False)
-        try:
-            async with session.get(backend + "/metrics", timeout=aiohttp.ClientTimeout(total=0.5)) as r:
-                if r.status == 200:
-                    v = read_series(await r.text(), BACKEND_SERIES)
-                    s = Sample(
-                        s.t,
-                        True,
-                        v.get("vllm:kv_cache_usage_perc", math.nan),
-                        v.get("vllm:num_requests_running", math.nan),
-                        v.get("vllm:num_requests_waiting", math.nan),
-                        v.get("vllm:num_preemptions_total", math.nan),
-                        v.get("vllm:generation_tokens_total", math.nan),
-                        v.get("kvgate_sim_oom_crashes_total", math.nan),
-                        lag=v.get("kvgate_sim_lag_seconds_total", math.nan),
-                        clock=v.get("kvgate_sim_clock_seconds", math.nan),
-                    )
-        except (TimeoutError, aiohttp.ClientError):
-            pass
-        if gateway is not None:
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with session.get(gateway + "/metrics", timeout=aiohttp.ClientTimeout(total=0.5)) as r:
-                    if r.status == 200:
-                        s.gateway_queue = read_series(await r.text(), GATEWAY_SERIES).get(
-                            "kvgate_queue_depth", math.nan
-                        )
+        t = clock.now()
+        gw_task = asyncio.create_task(_scrape(session, gateway, GATEWAY_SERIES)) if gateway else None
+        v = await _scrape(session, backend, BACKEND_SERIES)
+        s = Sample(t, up=False)
+        if v is not None:
+            s = Sample(
+                t,
+                True,
+                v.get("vllm:kv_cache_usage_perc", math.nan),
+                v.get("vllm:num_requests_running", math.nan),
+                v.get("vllm:num_requests_waiting", math.nan),
+                v.get("vllm:num_preemptions_total", math.nan),
+                v.get("vllm:generation_tokens_total", math.nan),
+                v.get("kvgate_sim_oom_crashes_total", math.nan),
+                lag=v.get("kvgate_sim_lag_seconds_total", math.nan),
+                clock=v.get("kvgate_sim_clock_seconds", math.nan),
+            )
+        if gw_task is not None:
+            g = await gw_task
+            if g is not None:
+                s.gateway_queue = g.get("kvgate_queue_depth", math.nan)
         out.append(s)
-        next_at += period
-        with contextlib.suppress(asyncio.TimeoutError):
+        next_at = max(next_at + period, time.monotonic() - period)
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), max(0.0, next_at - time.monotonic()))
 
 

@@ -158,6 +158,24 @@ def throughput_series(samples: Sequence[Sample], window: float) -> list[tuple[fl
     return out
 
 
+def saturated_throughput(samples: Sequence[Sample]) -> tuple[float, float]:
+    """Engine output tok/s while demand was queued (engine waiting or kvgate queue > 0), and that window's
+    length: the part of a finite burst that admission control can influence, without the drain tail that
+    every policy has once the last request is running."""
+    busy = [
+        s
+        for s in samples
+        if s.up
+        and ((not math.isnan(s.waiting) and s.waiting > 0) or (not math.isnan(s.gateway_queue) and s.gateway_queue > 0))
+    ]
+    if len(busy) < 2:
+        return math.nan, 0.0
+    t0, t1 = busy[0].t, busy[-1].t
+    window = [s for s in samples if s.up and t0 <= s.t <= t1]
+    span = t1 - t0
+    return (counter_increase([s.generation_tokens for s in window]) / span if span > 0 else math.nan), span
+
+
 def summarize(
     records: Sequence[RequestRecord], samples: Sequence[Sample], ttft_slo_s: float, oom_crashes: int
 ) -> dict[str, Any]:
@@ -187,6 +205,8 @@ def summarize(
         "makespan_s": makespan,
         "output_tokens": tokens,
         "output_tok_per_s": tokens / makespan if makespan and makespan > 0 else math.nan,
+        "saturated_tok_per_s": saturated_throughput(samples)[0],
+        "saturated_window_s": saturated_throughput(samples)[1],
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p99_s": percentile(ttfts, 0.99),
         "outcomes": dict(Counter(r.outcome() for r in records)),
