@@ -57,7 +57,7 @@ class SharedLimits:
         self.clock = clock
         self.local = RateLimiter()
         self.slots = SlotTable()
-        self.redis = RedisState(cfg, self._on_health) if cfg.url else None
+        self.redis = RedisState(cfg, self._on_health, metrics.redis_errors.inc) if cfg.url else None
         self._waiters: dict[str, deque[asyncio.Event]] = {}
         self._redis_held: dict[str, tuple[str, str]] = {}
         self._members = itertools.count(1)
@@ -236,7 +236,8 @@ class SharedLimits:
             try:
                 got = await self.redis.acquire(tp.key, limit, member)
             except RedisUnavailable:
-                got = None
+                got = None  # fall back below; if the script did run, give the slot straight back
+                self._spawn(self.redis.release(tp.key, member))
             except asyncio.CancelledError:
                 self._spawn(self.redis.release(tp.key, member))  # it may have been granted meanwhile
                 raise

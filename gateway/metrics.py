@@ -123,6 +123,11 @@ class GatewayMetrics:
             registry=r,
         )
         self.redis_up = Gauge("kvgate_redis_up", "1 while the shared limit store answers", registry=r)
+        self.redis_errors = Counter(
+            "kvgate_redis_errors",
+            "Redis calls that failed or took longer than redis.timeout_s (the request fell back or was refused)",
+            registry=r,
+        )
         self.limits_degraded = Gauge(
             "kvgate_limits_degraded",
             "1 while limits are enforced per replica (Redis down, on_failure: open) or refused (closed)",

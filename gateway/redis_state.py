@@ -106,18 +106,28 @@ return #KEYS
 """
 
 
+_TIMEOUTS_DOWN = 3
+
+
 class RedisUnavailable(Exception):
     """Redis did not answer in time (or is known to be down): the caller applies ``on_failure``."""
 
 
 class RedisState:
-    def __init__(self, cfg: RedisConfig, on_health: Callable[[bool], None] = lambda up: None) -> None:
+    def __init__(
+        self,
+        cfg: RedisConfig,
+        on_health: Callable[[bool], None] = lambda up: None,
+        on_error: Callable[[], None] = lambda: None,
+    ) -> None:
         assert cfg.url is not None
         self.cfg = cfg
         self.healthy = False
         self.replica_id = os.urandom(6).hex()
         self.errors = 0
         self._on_health = on_health
+        self._on_error = on_error
+        self._timeouts = 0
         self._client = aioredis.Redis.from_url(
             cfg.url,
             socket_timeout=cfg.timeout_s,
@@ -163,6 +173,7 @@ class RedisState:
 
     def _mark_down(self, exc: BaseException) -> None:
         self.errors += 1
+        self._timeouts = 0
         log.debug("redis call failed: %r", exc)
         self._set_health(False)
         if (self._probe is None or self._probe.done()) and not self._closed:
@@ -172,6 +183,10 @@ class RedisState:
         """Probe until Redis answers; requests meanwhile take the fallback without waiting on Redis."""
         while not self._closed:
             await asyncio.sleep(self.cfg.reconnect_interval_s)
+            with contextlib.suppress(RedisError, OSError):
+                # Connections opened before the outage are dead (a restarted Redis does not know them):
+                # drop them all, so the first request after recovery does not trip over one.
+                await self._client.connection_pool.disconnect()
             try:
                 await asyncio.wait_for(self._client.ping(), max(self.cfg.timeout_s, 0.5))
             except (RedisError, OSError, TimeoutError):
@@ -180,13 +195,26 @@ class RedisState:
             return
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run one Redis operation within ``timeout_s``. A refused connection marks Redis down at once; a
+        slow answer only fails this call, unless it happens ``_TIMEOUTS_DOWN`` times in a row (a busy event
+        loop can make one reply late without Redis being gone)."""
         if not self.healthy:
             raise RedisUnavailable
         try:
-            return await asyncio.wait_for(op(), self.cfg.timeout_s)
-        except (RedisError, OSError, TimeoutError) as exc:
+            result = await asyncio.wait_for(op(), self.cfg.timeout_s)
+        except TimeoutError as exc:
+            self.errors += 1
+            self._timeouts += 1
+            self._on_error()
+            if self._timeouts >= _TIMEOUTS_DOWN:
+                self._mark_down(exc)
+            raise RedisUnavailable from exc
+        except (RedisError, OSError) as exc:
+            self._on_error()
             self._mark_down(exc)
             raise RedisUnavailable from exc
+        self._timeouts = 0
+        return result
 
     # --- rate limits --------------------------------------------------------------------------------
 
