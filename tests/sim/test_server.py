@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.sim.conftest import StartSim
 
-REFERENCE = Path("/work/shared/reference/vllm-cpu")
+REFERENCE = Path(__file__).resolve().parent / "reference"  # real vLLM 0.32 /metrics samples
 MODEL = "llama3-8b"
 FAST = ("--time-scale", "0.02")
 
