@@ -24,6 +24,7 @@ from gateway.admitter import Admitter
 from gateway.config import GatewayConfig
 from gateway.cost import KvGeometry, RequestCost, estimate_cost
 from gateway.counting import TokenCounter, build_counter
+from gateway.disconnect import ClientDisconnected, DisconnectWatch
 from gateway.errors import GatewayError, shutting_down
 from gateway.forward import Forwarder, ResponseWriter
 from gateway.limits import Charge, SharedLimits
@@ -32,7 +33,7 @@ from gateway.parse import Endpoint, InferenceRequest
 from gateway.policy import Policy, TenantPolicy
 from gateway.proxy import handle_inference, handle_passthrough
 from gateway.reload import ConfigWatcher
-from gateway.scraper import Scraper
+from gateway.scraper import ModelInfo, Scraper
 from gateway.tokenizer import HeuristicTokenizer
 
 log = logging.getLogger("kvgate")
@@ -120,9 +121,7 @@ class Gateway:
         request_id = _request_id(scope["headers"])
         writer = ResponseWriter(send)
         endpoint = INFERENCE_PATHS.get(path) if scope["method"] == "POST" else None
-        task = asyncio.current_task()
-        assert task is not None
-        watch: asyncio.Task[None] | None = None
+        watch = DisconnectWatch(receive, lambda: writer.finished)
         self.active_requests += 1
         try:
             if self.draining:
@@ -130,8 +129,7 @@ class Gateway:
             if endpoint is None:
                 await handle_passthrough(self, scope, receive, writer, request_id)
             else:
-                watch = asyncio.create_task(self._watch_disconnect(receive, writer, task))
-                await handle_inference(self, endpoint, scope, receive, writer, request_id)
+                await handle_inference(self, endpoint, scope, receive, writer, request_id, watch)
         except GatewayError as exc:
             if exc.code not in _COUNTED_CODES:
                 self.metrics.rejected.labels(exc.code or "error").inc()
@@ -139,29 +137,20 @@ class Gateway:
                 await writer.error(exc, [(b"x-request-id", request_id.encode())])
             else:
                 log.warning("request %s failed after the response started: %s", request_id, exc.message)
+        except ClientDisconnected:
+            self.metrics.client_disconnects.labels("body").inc()
         except asyncio.CancelledError:
-            if watch is None or not watch.done():
+            if not watch.fired:
                 raise  # not a disconnect: the server itself is cancelling us
-            task.uncancel()
+            current = asyncio.current_task()
+            assert current is not None
+            current.uncancel()
             self.metrics.client_disconnects.labels("streaming" if writer.started else "waiting").inc()
         finally:
             self.active_requests -= 1
             if self.draining and self.active_requests == 0:
                 self._idle.set()
-            if watch is not None:
-                watch.cancel()
-
-    async def _watch_disconnect(self, receive: Any, writer: ResponseWriter, task: asyncio.Task[None]) -> None:
-        """Cancel the request's task when its client goes away, so the upstream call is dropped too.
-
-        Only started once the proxy path has read the body, so every message here is the disconnect."""
-        await asyncio.sleep(0)  # let the handler read the body first
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not writer.finished:
-                    task.cancel()
-                return
+            watch.stop()
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -186,14 +175,21 @@ class Gateway:
             timeout_s=cfg.telemetry.scrape_timeout_s,
             geometry_override=self.controller.geometry,
             clock=self.clock,
+            on_model=self._on_model,
         )
+        if self.config.tokenizer != "auto":
+            await self._resolve_tokenizer()  # an explicit tokenizer that cannot load stops start-up, loudly
         await self.scraper.scrape_once()
-        await self._resolve_tokenizer()
         self._tasks.append(asyncio.create_task(self.scraper.run(), name="kvgate-scraper"))
         await self.limits.start()
         if self.config_path is not None and cfg.reload.enabled:
             watcher = ConfigWatcher(self.config_path, cfg.reload.interval_s, self.apply_policy, self.metrics)
             self._tasks.append(asyncio.create_task(watcher.run(), name="kvgate-config-watcher"))
+
+    async def _on_model(self, model: ModelInfo) -> None:
+        """The engine answered /v1/models: now ``auto`` can see its model path and its /tokenize."""
+        if self.config.tokenizer == "auto":
+            await self._resolve_tokenizer()
 
     async def _resolve_tokenizer(self) -> None:
         assert self.session is not None

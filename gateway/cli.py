@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:  # the simulator parses its own flags, --help included
+        from gateway.sim.cli import run
+
+        return run(argv[1:])
+    args = build_parser().parse_args(argv)
     result: int = args.func(args)
     return result

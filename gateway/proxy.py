@@ -11,6 +11,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
+from gateway.disconnect import ClientDisconnected, DisconnectWatch
 from gateway.errors import GatewayError, payload_too_large
 from gateway.forward import ResponseWriter, Send, upstream_headers
 from gateway.parse import Endpoint, InferenceRequest, parse_request
@@ -34,6 +35,7 @@ async def handle_inference(
     receive: Receive,
     writer: ResponseWriter,
     request_id: str,
+    watch: DisconnectWatch,
 ) -> None:
     headers = scope["headers"]
     # 1. authenticate (against one policy snapshot for the whole request: a reload swaps it between requests)
@@ -41,6 +43,7 @@ async def handle_inference(
     tenant = policy.authenticate(_header(headers, b"authorization"))
     # 2. parse (large bodies on a worker thread)
     raw = await read_body(receive, gw.config.limits.max_body_bytes)
+    watch.start()  # from here on, a client that goes away cancels this request wherever it is
     request = await _parse(endpoint, raw)
     # 3. estimate cost (tokenizing long prompts off the event loop)
     cost = await gw.estimate_cost(request)
@@ -106,9 +109,7 @@ async def handle_passthrough(
     gw: Gateway, scope: dict[str, Any], receive: Receive, writer: ResponseWriter, request_id: str
 ) -> None:
     body = await read_body(receive, gw.config.limits.max_body_bytes)
-    path_qs = scope["path"] + (
-        ("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else ""
-    )
+    path_qs = scope["path"] + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
     headers = upstream_headers(scope["headers"], request_id, gw.config.upstream.api_key)
     await gw.forwarder.passthrough(scope["method"], path_qs, body, headers, writer)
 
@@ -119,7 +120,7 @@ async def read_body(receive: Receive, limit: int) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise asyncio.CancelledError("client disconnected while sending the body")
+            raise ClientDisconnected()
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

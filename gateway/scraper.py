@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -44,6 +44,7 @@ class Scraper:
         timeout_s: float,
         geometry_override: KvGeometry | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_model: Callable[[ModelInfo], Awaitable[None]] | None = None,
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.session = session
@@ -57,6 +58,7 @@ class Scraper:
         self.last_error: str | None = None
         self.model = ModelInfo()
         self.preemptions: float | None = None
+        self.on_model = on_model
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -102,7 +104,7 @@ class Scraper:
         self.last_success = started
         self.last_error = None
         self.preemptions = engine.preemptions
-        if self.model.max_model_len is None:
+        if self.model.id is None:
             await self.discover_model()
         return True
 
@@ -123,6 +125,8 @@ class Scraper:
         if data:
             first = data[0]
             self.model = ModelInfo(first.get("id"), first.get("max_model_len"), first.get("root"))
+            if self.on_model is not None:
+                await self.on_model(self.model)
 
     def age(self) -> float:
         return float("inf") if self.last_success is None else self.clock() - self.last_success

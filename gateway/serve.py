@@ -13,7 +13,7 @@ import uvicorn
 from gateway.app import Gateway
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.logs import configure_logging
-from gateway.tokenizer import TokenizerUnavailable
+from gateway.tokenizer import TokenizerUnavailable, load_tokenizer
 
 log = logging.getLogger("kvgate")
 
@@ -70,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
         return 2
     configure_logging(config.log_level)
+    if config.tokenizer not in ("auto", "vllm"):
+        try:  # fail before binding the port, with the loader's explanation of what is missing
+            load_tokenizer(config.tokenizer)
+        except TokenizerUnavailable as exc:
+            log.error("cannot load tokenizer %r: %s", config.tokenizer, exc)
+            return 2
     gateway = Gateway(config, config_path=args.config)
     uv_config = uvicorn.Config(
         gateway,
@@ -84,11 +90,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_keep_alive=30,
         proxy_headers=False,  # kvgate is the edge of the pod; X-Forwarded-* rewriting costs CPU per request
     )
-    try:
-        DrainingServer(uv_config, gateway, args.drain_timeout).run()
-    except TokenizerUnavailable as exc:
-        log.error("%s", exc)
-        return 2
+    DrainingServer(uv_config, gateway, args.drain_timeout).run()
     return 0
 
 
