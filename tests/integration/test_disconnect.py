@@ -44,8 +44,12 @@ def test_disconnect_in_flight_cancels_upstream_within_1s(
     gw = gateway(upstream, {"tokenizer": "heuristic"})
     sock = open_request(gw, "/v1/completions", {"prompt": "hello", "max_tokens": 200, "stream": stream})
     wait_for(lambda: httpx.get(upstream + "/debug/stats").json()["active"] == 1)
-    if stream:
-        assert b"data: {" in sock.recv(65536)  # it is streaming
+    if stream:  # it is streaming: the head, then events, may come in separate segments
+        received = b""
+        while b"data: {" not in received:
+            chunk = sock.recv(65536)
+            assert chunk, received
+            received += chunk
     time.sleep(0.2)
     closed_at = time.monotonic()
     sock.close()
