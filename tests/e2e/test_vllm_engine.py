@@ -238,6 +238,25 @@ def test_gateway_estimates_equal_engine_usage_in_its_own_metrics(gateway: Kvgate
     assert estimated == actual
 
 
+@pytest.mark.parametrize(
+    ("spec", "chosen"), [("vllm", "vllm"), ("auto", "hf:")], ids=["vllm-tokenize", "auto-finds-model-dir"]
+)
+def test_other_tokenizer_specs_count_exactly(engine: VllmEngine, spec: str, chosen: str) -> None:
+    """``vllm`` asks the engine's /tokenize; ``auto`` must find the model directory from /v1/models' root
+    (the engine serves a local path here, as a sidecar sharing the model volume does). Both exact."""
+    with Kvgate(engine.base_url, {}, tokenizer=spec) as gw:
+        assert gw.readyz()["tokenizer"].startswith(chosen)
+        sdk = client(gw.base_url)
+        for text in TEXTS[:4]:
+            sdk.completions.create(model=MODEL_NAME, prompt=text, max_tokens=1)
+        for messages in CHATS:
+            sdk.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+        estimated = gw.metric("kvgate_prompt_tokens_estimated_total")
+        actual = gw.metric("kvgate_prompt_tokens_actual_total")
+    assert actual > 0
+    assert estimated == actual
+
+
 # --- the saturation burst ---------------------------------------------------------------------------------
 
 
