@@ -189,6 +189,9 @@ class RedisState:
                 await self._client.connection_pool.disconnect()
             try:
                 await asyncio.wait_for(self._client.ping(), max(self.cfg.timeout_s, 0.5))
+                # A restarted Redis has an empty script cache: load them now, not on a request's time.
+                for script in (self._check, self._refund, self._acquire, self._renew):
+                    await asyncio.wait_for(self._client.script_load(script.script), max(self.cfg.timeout_s, 0.5))
             except (RedisError, OSError, TimeoutError):
                 continue
             self._set_health(True)
