@@ -94,6 +94,7 @@ class AdmissionController:
         self.geometry = geometry
         self.ledger = Ledger(geometry.block_size if geometry else 16)
         self.sample: UsageSample | None = None
+        self.last_admitted_projection = 0.0
         self.drain = DrainRate()
         self._geometry_pinned = geometry is not None
 
@@ -119,21 +120,34 @@ class AdmissionController:
         """Blocks the engine may hold if ``extra_blocks`` more are admitted; None if unknowable."""
         if self.geometry is None:
             return None
-        bound = self.ledger.reserved_blocks + extra_blocks
-        if self.is_stale(now):
-            return bound if self.config.stale_policy == "ledger" else None
+        ledger = self.ledger
+        if self.is_stale(now):  # no fresh picture of the engine: trust nothing but whole reservations
+            return ledger.reserved_blocks + extra_blocks if self.config.stale_policy == "ledger" else None
+        ours = ledger.peak_blocks() if self.config.growth_model == "lockstep" else ledger.reserved_blocks
+        bound = ours + extra_blocks
+        if self.config.exclusive_upstream:
+            return bound
         assert self.sample is not None
-        observed = round(self.sample.usage * self.geometry.num_blocks)
-        projected = observed + self.ledger.outstanding_blocks + extra_blocks
-        return min(projected, bound) if self.config.exclusive_upstream else projected
+        # Whatever the sample shows beyond what we know to be ours belongs to someone else.
+        external = max(0, round(self.sample.usage * self.geometry.num_blocks) - ledger.in_sample_blocks)
+        return external + bound
 
     def fits(self, blocks: int, now: float) -> bool:
         projected = self.projected_blocks(blocks, now)
         if projected is None or self.geometry is None:
             return False
         if self.is_stale(now):
-            return projected <= self.config.stale_ledger_cap * self.geometry.num_blocks
-        return self.gate.is_open and projected <= self.config.high_watermark * self.geometry.num_blocks
+            ok = projected <= self.config.stale_ledger_cap * self.geometry.num_blocks
+        else:
+            ok = self.gate.is_open and projected <= self.config.high_watermark * self.geometry.num_blocks
+        if ok:
+            self.last_admitted_projection = projected / self.geometry.num_blocks
+        return ok
+
+    def _reserve(self, cost: RequestCost, tenant: str, now: float) -> Reservation:
+        res = self.ledger.reserve(cost, tenant, now)
+        res.projected_usage = self.last_admitted_projection  # what the decision saw, for the metrics
+        return res
 
     def projected_usage(self, now: float) -> float | None:
         projected = self.projected_blocks(0, now)
@@ -157,7 +171,7 @@ class AdmissionController:
         A queued ticket may be at the head already: the caller pumps right after."""
         qclass = qclass or QueueClass()
         if not self.queue.waiting_at_or_above(qclass.priority) and self.fits(cost.blocks, now):
-            return Admitted(self.ledger.reserve(cost, tenant, now))
+            return Admitted(self._reserve(cost, tenant, now))
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         ticket = Ticket(cost, tenant, enqueued_at=now, deadline=now + wait, qclass=qclass)
         pushed = self.queue.push(ticket)
@@ -172,7 +186,7 @@ class AdmissionController:
         admitted = []
         while (head := self.queue.peek()) is not None and self.fits(head.cost.blocks, now):
             self.queue.pop()
-            admitted.append((head, self.ledger.reserve(head.cost, head.tenant, now)))
+            admitted.append((head, self._reserve(head.cost, head.tenant, now)))
         return admitted
 
     def expire(self, now: float) -> list[Ticket]:

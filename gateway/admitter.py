@@ -157,9 +157,7 @@ class Admitter:
         self.pump()
 
     def _on_admitted(self, waited_s: float, reservation: Reservation, qclass: QueueClass) -> None:
-        projected = self.controller.projected_usage(self.clock())
-        if projected is not None:
-            self.metrics.projected_at_admission.observe(projected)
+        self.metrics.projected_at_admission.observe(reservation.projected_usage)
         self.metrics.admitted.inc()
         self.metrics.queue_wait.observe(waited_s)
         name = _CLASS_NAMES[qclass.priority]

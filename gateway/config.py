@@ -57,6 +57,13 @@ class AdmissionConfig(_Model):
         description="All traffic to the engine goes through this gateway (sidecar): the ledger then bounds "
         "usage from above, which lets the gateway admit as soon as a request ends instead of a scrape later.",
     )
+    growth_model: Literal["lockstep", "worst_case"] = Field(
+        "lockstep",
+        description="How in-flight requests are expected to grow. lockstep: every decoding request adds one token "
+        "per engine step (continuous batching) and frees its blocks when done, so the projection is the peak of "
+        "that schedule; worst_case: every request holds its whole reservation at once (safe even if decoding "
+        "stalls unevenly, but leaves the engine well below the watermark).",
+    )
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> AdmissionConfig:

@@ -28,6 +28,8 @@ from gateway.tokenizer import (
 
 log = logging.getLogger("kvgate.counting")
 
+_JSON = {"content-type": "application/json"}  # vLLM answers 415 to anything else
+
 
 class TokenCounter:
     """Counts a request's prompt tokens with a local tokenizer, or remotely with the engine's /tokenize."""
@@ -76,7 +78,9 @@ class TokenCounter:
         for payload in payloads:
             if request.model:
                 payload["model"] = request.model
-            async with self._session.post(f"{self._upstream}/tokenize", data=orjson.dumps(payload)) as resp:
+            async with self._session.post(
+                f"{self._upstream}/tokenize", data=orjson.dumps(payload), headers=_JSON
+            ) as resp:
                 body = await resp.read()
                 if resp.status != 200:
                     # The engine's own validation errors (unknown model, bad messages) go back as they are.
@@ -143,6 +147,7 @@ async def _tokenize_endpoint_works(session: aiohttp.ClientSession, upstream: str
         async with session.post(
             f"{upstream.rstrip('/')}/tokenize",
             data=orjson.dumps({"prompt": "hello"}),
+            headers=_JSON,
             timeout=aiohttp.ClientTimeout(total=5),
         ) as resp:
             return resp.status == 200 and "count" in orjson.loads(await resp.read())

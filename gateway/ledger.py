@@ -27,6 +27,7 @@ class Reservation:
     generated: int = 0
     in_sample_blocks: int = 0
     pending_sample_blocks: int = 0
+    projected_usage: float = 0.0  # projected KV usage (0..1) when it was admitted
     released: bool = field(default=False)
 
     @property
@@ -88,9 +89,7 @@ class Ledger:
             if res.first_token_at is None:
                 res.pending_sample_blocks = 0
             else:
-                res.pending_sample_blocks = min(
-                    res.blocks, res.cost.blocks_after(res.generated, self.block_size)
-                )
+                res.pending_sample_blocks = min(res.blocks, res.cost.blocks_after(res.generated, self.block_size))
 
     def commit_sample(self) -> None:
         """The scrape begun by :meth:`begin_sample` succeeded: its picture now includes those blocks."""
@@ -99,6 +98,45 @@ class Ledger:
             res.in_sample_blocks = res.pending_sample_blocks
             total += res.in_sample_blocks
         self._in_sample_blocks = total
+
+    @property
+    def in_sample_blocks(self) -> int:
+        """Blocks of ours the latest sample certainly contains (a lower bound)."""
+        return self._in_sample_blocks
+
+    def peak_blocks(self) -> int:
+        """The most blocks the live reservations can hold at any one future moment.
+
+        A request not yet seen decoding counts whole, for the whole horizon. A decoding one holds its prompt
+        plus what it has generated, grows by one token per sequence per engine step (vLLM decodes every
+        running sequence each step) and frees everything when it reaches its output budget. The sum is
+        highest just before some request finishes, so only those instants are evaluated: requests sorted by
+        remaining tokens, running sums, O(n log n). Per-sequence rounding is bounded from above, which also
+        covers the few tokens the engine is ahead of what the gateway has seen.
+        """
+        fixed = 0
+        decoding: list[tuple[int, int, int, int]] = []  # (remaining, tokens held now, sequences, full blocks)
+        for res in self._live.values():
+            cost = res.cost
+            sequences = cost.num_sequences
+            if res.first_token_at is None:
+                fixed += res.blocks
+                continue
+            per_seq = min(cost.max_output, res.generated // max(1, sequences))
+            remaining = max(1, cost.max_output - per_seq)  # done generating: holds its blocks until it ends
+            held_tokens = cost.sequences_per_prompt * sum(p + per_seq for p in cost.prompt_tokens)
+            decoding.append((remaining, held_tokens, sequences, res.blocks))
+        decoding.sort(reverse=True)
+        bs = self.block_size
+        peak = tokens = sequences = full = 0
+        for remaining, held_tokens, seqs, blocks in decoding:
+            tokens += held_tokens
+            sequences += seqs
+            full += blocks
+            t = remaining - 1  # the last step before this request (and every shorter one) is done
+            bound = (tokens + sequences * t + sequences * (bs - 1)) // bs
+            peak = max(peak, min(bound, full))
+        return fixed + peak
 
     def set_block_size(self, block_size: int) -> None:
         self.block_size = block_size

@@ -80,9 +80,11 @@ def test_burst_of_200_within_50ms_with_1s_scrapes(
 
 
 def test_queue_full_is_429_and_queue_timeout_is_503(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:
-    upstream = mini_vllm(num_blocks=NUM_BLOCKS, block_size=BLOCK, token_delay_ms=20)
-    gw = gateway(upstream, {"tokenizer": "heuristic", "admission": {"queue_max_length": 5, "queue_max_wait_s": 0.5}})
-    responses, _ = fire(gw, bodies(60))
+    # Non-streaming requests of >= 1 s each: their progress is invisible, so they hold whole reservations
+    # until they end, and the five queued ones can only time out.
+    upstream = mini_vllm(num_blocks=NUM_BLOCKS, block_size=BLOCK, token_delay_ms=50)
+    gw = gateway(upstream, {"tokenizer": "heuristic", "admission": {"queue_max_length": 5, "queue_max_wait_s": 0.2}})
+    responses, _ = fire(gw, [{**b, "stream": False} for b in bodies(60)])
     statuses = [r.status for r in responses]
     assert statuses.count(429) > 0 and statuses.count(503) > 0 and statuses.count(200) > 0
     for r in responses:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.admission import AdmissionController, Admitted, Queued, Rejected, UsageSample
@@ -152,7 +152,7 @@ ops = st.lists(
 def test_projection_never_admits_past_the_high_watermark(script: list[tuple[str, int, int]], exclusive: bool) -> None:
     """Model the engine exactly: it holds each admitted request's progress, nothing else. Whatever happens,
     what the engine really holds never exceeds the high watermark, and nothing is left in the ledger."""
-    c = make(exclusive_upstream=exclusive, queue_max_wait_s=5.0)
+    c = make(exclusive_upstream=exclusive, queue_max_wait_s=5.0, growth_model="worst_case")
     now = 0.0
     live: list = []
     tickets: list = []
@@ -206,7 +206,7 @@ def test_samples_that_lag_behind_admissions_never_let_a_burst_through(script: li
     """Samples here always read 0.0, as if every scrape raced ahead of the burst it should have seen:
     the in-flight credit alone must keep the worst case under the high watermark, in both modes."""
     for exclusive in (True, False):
-        c = make(exclusive_upstream=exclusive, queue_max_wait_s=5.0)
+        c = make(exclusive_upstream=exclusive, queue_max_wait_s=5.0, growth_model="worst_case")
         now = 0.0
         live: list = []
         tickets: list = []
@@ -232,3 +232,104 @@ def test_samples_that_lag_behind_admissions_never_let_a_burst_through(script: li
                 tickets.remove(t)
                 live.append(res)
             assert sum(r.blocks for r in live) <= 90
+
+
+# --- the lockstep growth model -------------------------------------------------------------------------
+
+lockstep_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.integers(1, 40), st.integers(1, 30), st.integers(1, 3)),
+        st.tuples(st.just("burst"), st.integers(1, 10), st.integers(1, 30), st.integers(1, 12)),
+        st.tuples(st.just("step"), st.integers(1, 40), st.integers(0, 3), st.just(0)),
+        st.tuples(st.just("sample"), st.just(0), st.just(0), st.just(0)),
+        st.tuples(st.just("cancel"), st.integers(0, 50), st.just(0), st.just(0)),
+    ),
+    max_size=150,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(lockstep_ops, st.booleans())
+@example([("burst", 1, 29, 12), ("step", 1, 0, 0), ("burst", 1, 29, 12), ("step", 40, 0, 0)], True)
+def test_lockstep_engine_never_exceeds_the_high_watermark(
+    script: list[tuple[str, int, int, int]], exclusive: bool
+) -> None:
+    """An engine that behaves as continuous batching does: an admitted request prefills at once, then every
+    running sequence gains one token per step and frees its blocks at its output budget. The gateway sees
+    each request's tokens up to ``lag`` steps late. However requests interleave, what the engine really holds
+    never exceeds the high watermark (90 of 100 blocks), while the gateway admits more than whole
+    reservations would allow."""
+    c = make(exclusive_upstream=exclusive, queue_max_wait_s=1e9, growth_model="lockstep")
+    now = 0.0
+    live: list = []  # reservations in the engine
+    generated: dict[int, int] = {}  # per sequence, as the engine has it
+    tickets: list = []
+    most_reserved = 0
+
+    def engine_blocks() -> int:
+        return sum(r.cost.blocks_after(generated[r.id] * r.cost.num_sequences, 16) for r in live)
+
+    def admitted(res) -> None:  # type: ignore[no-untyped-def]
+        live.append(res)
+        generated[res.id] = 0
+
+    for op, a, b, n in script:
+        if op in ("submit", "burst"):
+            # a burst is n single-sequence copies of one request: short prompts, long outputs
+            copies, seqs = (n, 1) if op == "burst" else (1, n)
+            cost = RequestCost((a * 4,), seqs, b * 4, seqs * ((a * 4 + b * 4 + 15) // 16))
+            if cost.blocks > 90:
+                continue
+            for _ in range(copies):
+                d = c.submit(cost, "t", now)
+                if isinstance(d, Admitted):
+                    admitted(d.reservation)
+                elif isinstance(d, Queued):
+                    tickets.append(d.ticket)
+        elif op == "step":
+            for _ in range(a):
+                now += 0.001
+                for r in list(live):
+                    generated[r.id] += 1
+                    if generated[r.id] >= r.cost.max_output:
+                        live.remove(r)
+                        c.release(r, now)
+                    else:
+                        lag = b  # the gateway has seen up to `lag` tokens fewer than the engine made
+                        c.progress(r, max(0, generated[r.id] - lag) * r.cost.num_sequences, now)
+                assert engine_blocks() <= 90
+                for t, res in c.pump(now):
+                    tickets.remove(t)
+                    admitted(res)
+                assert engine_blocks() <= 90
+        elif op == "sample":
+            c.begin_sample()
+            c.apply_sample(UsageSample(usage=engine_blocks() / 100, taken_at=now))
+        elif op == "cancel" and tickets:
+            c.cancel(tickets.pop(a % len(tickets)))
+        for t, res in c.pump(now):
+            tickets.remove(t)
+            admitted(res)
+        assert engine_blocks() <= 90
+        most_reserved = max(most_reserved, sum(r.blocks for r in live))
+    for r in live:
+        c.release(r, now)
+    assert c.ledger.reserved_count == c.ledger.released_count and len(c.ledger) == 0
+
+
+def test_lockstep_admits_what_finishing_requests_will_free() -> None:
+    """Three 30-block requests at different stages never hold 90 blocks together: the furthest one is gone
+    before the youngest has grown. Lockstep sees room for 10 more blocks; worst case does not."""
+    results = {}
+    for model in ("worst_case", "lockstep"):
+        c = make(growth_model=model)
+        for done_blocks in (28, 14, 0):
+            d = c.submit(RequestCost((16,), 1, 16 * 29, 30), "t", 0.0)
+            assert isinstance(d, Admitted)
+            c.progress(d.reservation, max(1, 16 * done_blocks), 0.1)
+        assert c.ledger.reserved_blocks == 90
+        results[model] = isinstance(c.submit(RequestCost((16,), 1, 16 * 9, 10), "t", 0.1), Admitted)
+        if model == "lockstep":
+            # peak is just before the oldest finishes: 30 + (1 + 14 + 1) + (1 + 0 + 1) blocks, plus rounding
+            assert 48 <= c.ledger.peak_blocks() - 10 <= 51
+    assert results == {"worst_case": False, "lockstep": True}
