@@ -83,6 +83,17 @@ class GatewayMetrics:
         self.metrics_age = Gauge(
             "kvgate_upstream_metrics_age_seconds", "Age of the latest good upstream sample", registry=r
         )
+        # The engine's own load, re-exported: in a sidecar vLLM listens on 127.0.0.1 only, so Prometheus
+        # can reach these through kvgate alone.
+        self.upstream_running = Gauge(
+            "kvgate_upstream_requests_running", "vllm:num_requests_running in the latest sample", registry=r
+        )
+        self.upstream_waiting = Gauge(
+            "kvgate_upstream_requests_waiting", "vllm:num_requests_waiting in the latest sample", registry=r
+        )
+        self.upstream_preemptions = Counter(
+            "kvgate_upstream_preemptions", "Preemptions the engine reported (vllm:num_preemptions_total)", registry=r
+        )
         self.ready = Gauge(
             "kvgate_ready", "1 when the upstream is reachable and its metrics fresh", registry=r
         )

@@ -103,10 +103,20 @@ class Scraper:
             log.info("upstream metrics recovered after: %s", self.last_error)
         self.last_success = started
         self.last_error = None
-        self.preemptions = engine.preemptions
+        self._export_engine_load(engine.running, engine.waiting, engine.preemptions)
         if self.model.id is None:
             await self.discover_model()
         return True
+
+    def _export_engine_load(self, running: float, waiting: float, preemptions: float) -> None:
+        self.metrics.upstream_running.set(running)
+        self.metrics.upstream_waiting.set(waiting)
+        if self.preemptions is not None:
+            # an engine restart resets its counter: count what it reports since then
+            delta = preemptions - self.preemptions if preemptions >= self.preemptions else preemptions
+            if delta > 0:
+                self.metrics.upstream_preemptions.inc(delta)
+        self.preemptions = preemptions
 
     def _failed(self, reason: str) -> None:
         self.metrics.scrape_errors.inc()
