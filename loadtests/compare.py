@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import re
@@ -105,11 +106,14 @@ def run_arm(scenario: Scenario, arm: str, out_dir: Path) -> ArmResult:
             )
         )
         ooms = len(OOM_LINE.findall(sim.log()))
-    real_span = (samples[-1].t - samples[0].t) * scenario.time_scale if len(samples) > 1 else math.nan
+    real_t = [s.t * scenario.time_scale for s in samples]  # still on the harness clock here
+    real_span = real_t[-1] - real_t[0] if len(real_t) > 1 else math.nan
+    max_gap = max((b - a for a, b in itertools.pairwise(real_t)), default=math.nan)
     records, samples = to_engine_time(records, samples)
     summary = summarize(records, samples, scenario.ttft_slo_s, ooms)
     summary["arm"] = arm
     summary["sample_hz_real"] = (len(samples) - 1) / real_span if real_span else math.nan
+    summary["sample_max_gap_real_s"] = max_gap
     runner.save(out, records, samples, summary)
     return ArmResult(arm, records, samples, summary)
 

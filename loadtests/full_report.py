@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import compare, scenario
+from loadtests.bound import burst_bound
 from loadtests.report import plots, table
 from loadtests.sweep import sweep
 
@@ -27,7 +28,9 @@ def _check(ok: bool, text: str) -> str:
     return f"- **{'PASS' if ok else 'FAIL'}**: {text}"
 
 
-def burst_checks(res: list[compare.ArmResult], best: dict[str, Any] | None) -> list[str]:
+def burst_checks(
+    res: list[compare.ArmResult], best: dict[str, Any] | None, bound: dict[str, Any] | None = None
+) -> list[str]:
     by = {r.arm: r for r in res}
     d, g = by["direct"].summary, by["kvgate"].summary
     lines = [
@@ -47,6 +50,15 @@ def burst_checks(res: list[compare.ArmResult], best: dict[str, Any] | None) -> l
                 f"{ratio:.0%} of the best stable throughput {best['output_tok_per_s']:,.0f} tok/s "
                 f"(sweep, concurrency {best['concurrency']})",
             )
+        )
+    if bound is not None and bound["best_stable"] is not None:
+        b = bound["best_stable"]
+        lines.append(
+            f"- for reference (not the issue's criterion): the same 200 requests through the engine model with "
+            f"the best stable FIFO concurrency cap ({b['cap']}) and no HTTP: {b['output_tok_per_s']:,.0f} tok/s "
+            f"whole run ({b['makespan_s']:.1f} s); kvgate's whole-run throughput is "
+            f"{g['output_tok_per_s'] / b['output_tok_per_s']:.0%} of that, and that bound itself is "
+            + (f"{b['output_tok_per_s'] / best['output_tok_per_s']:.0%} of the sweep's figure." if best else "–.")
         )
     return lines
 
@@ -68,6 +80,7 @@ def build(out: Path, only: set[str] | None, keep_sweep: bool = False) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sections: dict[str, str] = {}
     best: dict[str, Any] | None = None
+    bound: dict[str, Any] | None = None
     for name, arms in PLAN:
         if only is not None and name not in only:
             continue
@@ -81,11 +94,15 @@ def build(out: Path, only: set[str] | None, keep_sweep: bool = False) -> int:
             sw = json.loads(saved.read_text()) if keep_sweep and saved.exists() else sweep(sc, dest)
             best = sw["best_stable"]
             extra.append(sweep_table(sw))
+            caps = tuple(sorted({*sc.sweep_concurrency, 136, 144, 152, 200}))
+            bound = burst_bound(sc, caps)
+            (dest / "bound.json").write_text(json.dumps(bound, indent=2) + "\n")
+            extra.append(bound_table(bound))
         print(f"compare {name}: {', '.join(arms)}", flush=True)
         res = compare.compare(sc, arms, dest)
         plots(res, dest, name)
         checks = (
-            burst_checks(res, best)
+            burst_checks(res, best, bound)
             if name.startswith("burst")
             else (overload_checks(res) if name.startswith("overload") else [])
         )
@@ -114,18 +131,24 @@ def build(out: Path, only: set[str] | None, keep_sweep: bool = False) -> int:
 
 
 def sweep_table(sw: dict[str, Any]) -> str:
+    m = sw["method"]
+    p, o = sw["shape"]["prompt_tokens"], sw["shape"]["max_tokens"]
     lines = [
-        f"Concurrency sweep (closed loop, prompt {sw['shape']['prompt_tokens']} / output "
-        f"{sw['shape']['max_tokens']} tokens, steady state):",
+        f"Concurrency sweep (closed loop on a fresh simulator per level; each request's prompt {p[0]:,}-{p[1]:,} "
+        f"and output {o[0]}-{o[1]} tokens drawn like the burst's; clients start staggered over {m['stagger_s']:g} s; "
+        f"generation tok/s measured from {m['warmup_s']:g} s after the first send to the last send of a "
+        f"{m['duration_s']:g} s run, "
+        f"while every client has a request in flight; spread = lowest and highest of {m['blocks']} equal parts "
+        f"of that window; {m['repeats']} run(s) per level):",
         "",
-        "| concurrency | output tok/s | preemptions | OOM | peak KV | stable |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| concurrency | output tok/s | spread (tok/s) | mean KV in window | peak KV | preemptions | OOM | stable |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in sw["rows"]:
-        peak = r["peak_kv_usage"]
         lines.append(
-            f"| {r['concurrency']} | {r['output_tok_per_s']:,.0f} | {r['preemptions']:.0f} | "
-            f"{r['oom_crashes']} | {peak:.3f} | {'yes' if r['stable'] else 'no'} |"
+            f"| {r['concurrency']} | {r['output_tok_per_s']:,.0f} | {r['min_block_tok_per_s']:,.0f}-"
+            f"{r['max_block_tok_per_s']:,.0f} | {r['mean_kv_usage_in_window']:.3f} | {r['peak_kv_usage']:.3f} | "
+            f"{r['preemptions']:.0f} | {r['oom_crashes']} | {'yes' if r['stable'] else 'no'} |"
         )
     best = sw["best_stable"]
     lines += [
@@ -136,6 +159,23 @@ def sweep_table(sw: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def bound_table(b: dict[str, Any]) -> str:
+    lines = [
+        "The burst itself under a FIFO concurrency cap, in-process through the simulator's engine (same "
+        "requests, virtual time, no HTTP, no gateway; `loadtests/bound.py`), whole-run throughput = output "
+        "tokens / makespan:",
+        "",
+        "| cap | output tok/s (whole run) | makespan (s) | peak KV | preemptions | OOM steps | stable |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in b["rows"]:
+        lines.append(
+            f"| {r['cap']} | {r['output_tok_per_s']:,.0f} | {r['makespan_s']:.2f} | {r['peak_kv_usage']:.3f} | "
+            f"{r['preemptions']} | {r['oom_steps']} | {'yes' if r['stable'] else 'no'} |"
+        )
+    return "\n".join([*lines, ""])
 
 
 if __name__ == "__main__":

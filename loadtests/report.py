@@ -31,6 +31,8 @@ ROWS: list[tuple[str, str]] = [
     ("every 429/503 has Retry-After", "rejections_with_retry_after"),
     ("backend down (s)", "backend_down_s"),
     ("/metrics samples per real second", "sample_hz_real"),
+    ("longest gap between samples (real s)", "sample_max_gap_real_s"),
+    ("simulator lag behind its time scale (real s)", "sim_lag_real_s"),
 ]
 
 

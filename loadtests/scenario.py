@@ -60,6 +60,17 @@ class Arrival:
 
 
 @dataclass(frozen=True)
+class SweepConfig:
+    """How the concurrency sweep measures each level (simulated seconds; see loadtests/sweep.py)."""
+
+    duration_s: float = 60.0  # clients send new requests until then
+    warmup_s: float = 20.0  # the measured window starts here
+    stagger_s: float = 0.0  # client i starts at stagger_s * i / concurrency
+    blocks: int = 4  # the window is cut into this many parts to show its spread
+    repeats: int = 1
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     description: str
@@ -71,7 +82,7 @@ class Scenario:
     vllm_queue_max: int | None = None
     seed: int = 0
     sweep_concurrency: tuple[int, ...] = ()
-    sweep_duration_s: float = 60.0
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
     def arrivals(self) -> list[Arrival]:
         """The deterministic request plan (seeded), sorted by time."""
@@ -124,5 +135,11 @@ def load(path: str | Path) -> Scenario:
         vllm_queue_max=raw.get("vllm_queue", {}).get("max_num_queued_reqs"),
         seed=int(raw.get("seed", 0)),
         sweep_concurrency=tuple(int(x) for x in sweep.get("concurrency", ())),
-        sweep_duration_s=float(sweep.get("duration_s", 60.0)),
+        sweep=SweepConfig(
+            duration_s=float(sweep.get("duration_s", 60.0)),
+            warmup_s=float(sweep.get("warmup_s", 20.0)),
+            stagger_s=float(sweep.get("stagger_s", 0.0)),
+            blocks=int(sweep.get("blocks", 4)),
+            repeats=int(sweep.get("repeats", 1)),
+        ),
     )
