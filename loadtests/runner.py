@@ -66,7 +66,14 @@ class Clock:
 
 
 async def send_one(
-    session: aiohttp.ClientSession, url: str, a: Arrival, rid: int, model: str, clock: Clock, api_keys: dict[str, str]
+    session: aiohttp.ClientSession,
+    url: str,
+    a: Arrival,
+    rid: int,
+    model: str,
+    clock: Clock,
+    api_keys: dict[str, str],
+    body: bytes | None = None,
 ) -> RequestRecord:
     rec = RequestRecord(rid, a.cls, a.tenant, clock.now(), a.prompt_tokens, a.max_tokens)
     path = "/v1/chat/completions" if a.api == "chat" else "/v1/completions"
@@ -75,7 +82,7 @@ async def send_one(
     try:
         async with session.post(
             url + path,
-            data=orjson.dumps(request_body(a, model, rid)),
+            data=body if body is not None else orjson.dumps(request_body(a, model, rid)),
             headers={"Content-Type": "application/json", **headers},
         ) as resp:
             rec.status = resp.status
@@ -298,12 +305,15 @@ async def run(
         clock = Clock(time_scale)
         sampler = SamplerProcess(backend_metrics, gateway_metrics, clock)
         await sampler.start()
+        # Bodies are built before the run starts, so a burst leaves at once instead of waiting for the
+        # harness to serialize hundreds of long prompts.
+        bodies = [orjson.dumps(request_body(a, model, i)) for i, a in enumerate(arrivals)]
         await asyncio.sleep(0.2)  # a few idle samples first
         clock_offset = clock.now()
 
         async def planned(i: int, a: Arrival) -> RequestRecord:
             await clock.sleep_until(clock_offset + a.at)
-            return await send_one(session, target, a, i, model, clock, api_keys or {})
+            return await send_one(session, target, a, i, model, clock, api_keys or {}, bodies[i])
 
         records = list(await asyncio.gather(*(planned(i, a) for i, a in enumerate(arrivals))))
         await asyncio.sleep(0.3)

@@ -151,8 +151,15 @@ class SimServer:
             planned = step.duration * self.time_scale
             await asyncio.sleep(max(0.0, planned - (time.monotonic() - started)))
             self.supervisor.lag_s += max(0.0, time.monotonic() - started - planned)
-            self._anchor_virtual, self._anchor_real, self._step_end = self._step_end, time.monotonic(), None
+            self._anchor_virtual = self._step_end
+            done_at = time.monotonic()
             self._dispatch(self.engine.complete(step, self._anchor_virtual))
+            # The next step starts where this one ended: the real time spent applying the step and waking
+            # its streams is the simulator's own overhead, not the GPU's (the step-time model already has a
+            # per-step overhead), so it is counted as lag instead of passing on the virtual clock.
+            self._anchor_real = time.monotonic()
+            self._step_end = None
+            self.supervisor.lag_s += self._anchor_real - done_at
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for ev in events:
