@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import compare, scenario
-from loadtests.bound import burst_bound
+from loadtests.bound import burst_bound, closed_loop_capacity
 from loadtests.report import plots, table
 from loadtests.sweep import sweep
 
@@ -46,34 +46,60 @@ def burst_checks(
         lines.append(
             _check(
                 ratio >= 0.9,
-                f"through kvgate: output throughput {g['output_tok_per_s']:,.0f} tok/s = "
+                f"through kvgate: output throughput (whole run) {g['output_tok_per_s']:,.0f} tok/s = "
                 f"{ratio:.0%} of the best stable throughput {best['output_tok_per_s']:,.0f} tok/s "
                 f"(sweep, concurrency {best['concurrency']})",
             )
         )
     if bound is not None and bound["best_stable"] is not None:
         b = bound["best_stable"]
+        vs_sweep = f"{b['output_tok_per_s'] / best['output_tok_per_s']:.0%} of the sweep's figure" if best else "–"
         lines.append(
-            f"- for reference (not the issue's criterion): the same 200 requests through the engine model with "
-            f"the best stable FIFO concurrency cap ({b['cap']}) and no HTTP: {b['output_tok_per_s']:,.0f} tok/s "
-            f"whole run ({b['makespan_s']:.1f} s); kvgate's whole-run throughput is "
-            f"{g['output_tok_per_s'] / b['output_tok_per_s']:.0%} of that, and that bound itself is "
-            + (f"{b['output_tok_per_s'] / best['output_tok_per_s']:.0%} of the sweep's figure." if best else "–.")
+            f"- for reference (not the issue's criterion): the same requests through the engine model under the "
+            f"best stable FIFO concurrency cap ({b['cap']}), no HTTP: {b['output_tok_per_s']:,.0f} tok/s whole "
+            f"run ({b['makespan_s']:.1f} s makespan; {vs_sweep}) and {b['saturated_tok_per_s']:,.0f} tok/s "
+            f"while demand queued. kvgate: {g['output_tok_per_s'] / b['output_tok_per_s']:.0%} of it whole run "
+            f"({g['makespan_s']:.1f} s makespan), {g['saturated_tok_per_s'] / b['saturated_tok_per_s']:.0%} "
+            f"while demand queued."
         )
     return lines
 
 
-def overload_checks(res: list[compare.ArmResult]) -> list[str]:
-    g = {r.arm: r for r in res}["kvgate"].summary
-    return [
+def overload_checks(res: list[compare.ArmResult], sc: scenario.Scenario) -> list[str]:
+    arm = {r.arm: r for r in res}["kvgate"]
+    g = arm.summary
+    queued = [s for s in arm.samples if s.up and s.gateway_queue == s.gateway_queue and s.gateway_queue > 0]
+    idle = sum(1 for s in queued if s.running == 0)
+    mean_running_q = sum(s.running for s in queued) / len(queued) if queued else float("nan")
+    cap = None
+    for c in range(4, 65):  # the engine's largest stable closed-loop concurrency for this shape, in-process
+        row = closed_loop_capacity(sc, c)
+        if row["preemptions"] or row["oom_steps"]:
+            break
+        cap = row
+    lines = [
         _check(
             g["oom_crashes"] == 0 and g["preemptions"] == 0,
             f"through kvgate: {g['oom_crashes']} OOM, {g['preemptions']:.0f} preemptions",
         ),
-        f"- through kvgate, KV usage was inside 80–90% for **{g['time_in_80_90_frac']:.0%}** of the run "
-        f"({g['time_in_80_90_s']:.1f} s of simulated time); above 90% for {g['time_above_90_s']:.1f} s; "
-        f"the engine ran {g['mean_running']:.1f} requests on average (sampled).",
+        _check(
+            g["time_in_80_90_frac"] > 0.5,
+            f"through kvgate, KV usage was inside 80–90% for **{g['time_in_80_90_frac']:.0%}** of the run "
+            f"({g['time_in_80_90_s']:.1f} of {g['makespan_s']:.1f} s simulated; 'most of the time' read as "
+            f"> 50%); above 90% for {g['time_above_90_s']:.1f} s",
+        ),
+        f"- busy: while the kvgate queue was non-empty ({len(queued)} samples) the engine ran "
+        f"{mean_running_q:.1f} requests on average and none in {idle} of them; engine output while demand "
+        f"queued {g['saturated_tok_per_s']:,.0f} tok/s",
     ]
+    if cap is not None:
+        lines[-1] += (
+            f" = {g['saturated_tok_per_s'] / cap['output_tok_per_s']:.0%} of the engine's own closed-loop output "
+            f"at its largest stable concurrency ({cap['concurrency']} in flight, in-process: "
+            f"{cap['output_tok_per_s']:,.0f} tok/s, {cap['req_per_s']:.1f} req/s, mean KV "
+            f"{cap['mean_kv_usage']:.2f})."
+        )
+    return lines
 
 
 def build(out: Path, only: set[str] | None, keep_sweep: bool = False) -> int:
@@ -104,7 +130,7 @@ def build(out: Path, only: set[str] | None, keep_sweep: bool = False) -> int:
         checks = (
             burst_checks(res, best, bound)
             if name.startswith("burst")
-            else (overload_checks(res) if name.startswith("overload") else [])
+            else (overload_checks(res, sc) if name.startswith("overload") else [])
         )
         body = [f"## {name}", "", sc.description.strip(), "", table(res), ""]
         if checks:
@@ -167,12 +193,14 @@ def bound_table(b: dict[str, Any]) -> str:
         "requests, virtual time, no HTTP, no gateway; `loadtests/bound.py`), whole-run throughput = output "
         "tokens / makespan:",
         "",
-        "| cap | output tok/s (whole run) | makespan (s) | peak KV | preemptions | OOM steps | stable |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| cap | output tok/s (whole run) | output tok/s while demand queued | makespan (s) | peak KV | "
+        "preemptions | OOM steps | stable |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in b["rows"]:
         lines.append(
-            f"| {r['cap']} | {r['output_tok_per_s']:,.0f} | {r['makespan_s']:.2f} | {r['peak_kv_usage']:.3f} | "
+            f"| {r['cap']} | {r['output_tok_per_s']:,.0f} | {r['saturated_tok_per_s']:,.0f} | "
+            f"{r['makespan_s']:.2f} | {r['peak_kv_usage']:.3f} | "
             f"{r['preemptions']} | {r['oom_steps']} | {'yes' if r['stable'] else 'no'} |"
         )
     return "\n".join([*lines, ""])
