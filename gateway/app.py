@@ -156,7 +156,9 @@ class Gateway:
 
     async def startup(self) -> None:
         cfg = self.config
-        connector = aiohttp.TCPConnector(limit=cfg.upstream.max_connections, keepalive_timeout=30)
+        # Idle upstream connections are dropped before uvicorn's 5 s keep-alive timeout in vLLM closes them,
+        # which would otherwise race with the next request on the same connection.
+        connector = aiohttp.TCPConnector(limit=cfg.upstream.max_connections, keepalive_timeout=4)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.forwarder = Forwarder(
             cfg.upstream.url,

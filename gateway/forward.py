@@ -66,9 +66,7 @@ class ResponseWriter:
 
     async def error(self, exc: GatewayError, extra_headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
         body = exc.body()
-        await self.start(
-            exc.status, [*exc.headers(), *extra_headers, (b"content-length", str(len(body)).encode())]
-        )
+        await self.start(exc.status, [*exc.headers(), *extra_headers, (b"content-length", str(len(body)).encode())])
         await self.body(body)
 
 
@@ -76,9 +74,7 @@ def upstream_headers(
     client_headers: Iterable[tuple[bytes, bytes]], request_id: str, api_key: str | None
 ) -> dict[str, str]:
     headers = {
-        k.decode("latin-1"): v.decode("latin-1")
-        for k, v in client_headers
-        if k.lower() not in _NOT_FORWARDED_UP
+        k.decode("latin-1"): v.decode("latin-1") for k, v in client_headers if k.lower() not in _NOT_FORWARDED_UP
     }
     headers["x-request-id"] = request_id
     if api_key is not None:
@@ -159,9 +155,7 @@ class Forwarder:
         """Forward one admitted request; returns the engine's usage when it reported one."""
         started = time.perf_counter()
         try:
-            async with self.session.post(
-                self.base_url + path, data=body, headers=headers, timeout=self.timeout
-            ) as resp:
+            async with await self._send("POST", self.base_url + path, body, headers) as resp:
                 if resp.status == 200 and resp.content_type == "text/event-stream":
                     return await self._relay_stream(resp, writer, extra_headers, on_progress, started)
                 payload = await resp.read()
@@ -175,22 +169,20 @@ class Forwarder:
                 if resp.status == 200 and resp.content_type == "application/json":
                     return parse_usage(payload)
                 return None
-        except aiohttp.ClientConnectorError as exc:
-            raise upstream_unavailable(f"The inference engine is unreachable: {exc}", 1.0) from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as exc:
-            raise GatewayError(
-                502,
-                f"The inference engine dropped the connection: {exc}",
-                type="upstream_error",
-                code="upstream_disconnected",
-            ) from exc
-        except TimeoutError as exc:
-            raise GatewayError(
-                504,
-                "The inference engine did not answer in time.",
-                type="upstream_error",
-                code="upstream_timeout",
-            ) from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _upstream_failure(exc) from exc
+
+    async def _send(self, method: str, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+        """Send and wait for the response head. A pooled keep-alive connection that the engine closed an
+        instant ago fails before any response arrives; the request then never got a response, so it is sent
+        once more on a fresh connection (what browsers do). Connection refusals are not retried."""
+        try:
+            return await self.session.request(method, url, data=body or None, headers=headers, timeout=self.timeout)
+        except aiohttp.ClientConnectorError:
+            raise
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            self.metrics.upstream_retries.inc()
+            return await self.session.request(method, url, data=body or None, headers=headers, timeout=self.timeout)
 
     async def _relay_stream(
         self,
@@ -225,16 +217,30 @@ class Forwarder:
     ) -> None:
         """Any other path: same status, same body, same headers minus hop-by-hop ones."""
         try:
-            async with self.session.request(
-                method, self.base_url + path_qs, data=body or None, headers=headers, timeout=self.timeout
-            ) as resp:
+            async with await self._send(method, self.base_url + path_qs, body, headers) as resp:
                 length = [] if resp.content_length is None else [_length_n(resp.content_length)]
                 await writer.start(resp.status, [*relayed_headers(resp), *length])
                 async for chunk in resp.content.iter_any():
                     await writer.body(chunk, more=True)
                 await writer.body(b"")
-        except aiohttp.ClientConnectorError as exc:
-            raise upstream_unavailable(f"The inference engine is unreachable: {exc}", 1.0) from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _upstream_failure(exc) from exc
+
+
+def _upstream_failure(exc: BaseException) -> GatewayError:
+    """What the client is told when the engine could not be reached or broke off (503, 504 or 502)."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return upstream_unavailable(f"The inference engine is unreachable: {exc}", 1.0)
+    if isinstance(exc, TimeoutError):
+        return GatewayError(
+            504, "The inference engine did not answer in time.", type="upstream_error", code="upstream_timeout"
+        )
+    return GatewayError(
+        502,
+        f"The inference engine dropped the connection: {type(exc).__name__}: {exc}",
+        type="upstream_error",
+        code="upstream_disconnected",
+    )
 
 
 def _length(payload: bytes) -> tuple[bytes, bytes]:

@@ -77,6 +77,11 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.upstream_retries = Counter(
+            "kvgate_upstream_retries",
+            "Requests sent again after a pooled connection turned out closed before any response",
+            registry=r,
+        )
         self.scrape_errors = Counter(
             "kvgate_scrape_errors", "Failed scrapes of the upstream /metrics", registry=r
         )
