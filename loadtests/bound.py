@@ -66,12 +66,19 @@ def burst_bound(scenario: Scenario, caps: tuple[int, ...]) -> dict[str, Any]:
 
 
 def closed_loop_capacity(
-    scenario: Scenario, concurrency: int, duration_s: float = 200.0, warmup_s: float = 30.0
+    scenario: Scenario,
+    concurrency: int,
+    duration_s: float = 200.0,
+    warmup_s: float = 30.0,
+    stagger_s: float = 0.0,
+    largest_class: bool = False,
 ) -> dict[str, Any]:
-    """The engine's own capacity for the scenario's first class: ``concurrency`` requests always in flight
-    (a finished one is replaced at once), in-process, sizes drawn from the class; rates after ``warmup_s``."""
+    """The engine's own closed-loop throughput: ``concurrency`` clients, each replacing its request the moment
+    it finishes, in-process (no HTTP), sizes drawn from the scenario's first class (or its largest one);
+    client ``i`` starts at ``stagger_s * i / concurrency``; rates over ``[warmup_s, duration_s]``. Steps that
+    would OOM are counted, not enacted."""
     cfg = config_from_args(build_parser().parse_args(list(scenario.sim_args)))
-    cls = scenario.classes[0]
+    cls = max(scenario.classes, key=lambda c: c.prompt_tokens.max) if largest_class else scenario.classes[0]
     rng = random.Random(scenario.seed)
     eng = Engine(cfg)
     n = done = 0
@@ -81,10 +88,15 @@ def closed_loop_capacity(
         n += 1
         eng.add(SimRequest(str(n), cls.prompt_tokens.draw(rng), cls.max_tokens.draw(rng), now))
 
-    for _ in range(concurrency):
-        add(0.0)
+    starts = collections.deque(stagger_s * i / concurrency for i in range(concurrency))
     now, oom_steps, kv_time, t0, done0, gen0 = 0.0, 0, 0.0, None, 0, 0
     while now < duration_s:
+        while starts and starts[0] <= now:
+            starts.popleft()
+            add(now)
+        if not eng.has_work():
+            now = starts[0]
+            continue
         step = eng.schedule(now)
         oom_steps += step.oom
         now += step.duration
@@ -105,6 +117,7 @@ def closed_loop_capacity(
         "mean_kv_usage": kv_time / span,
         "preemptions": eng.stats.num_preemptions,
         "oom_steps": oom_steps,
+        "stable": eng.stats.num_preemptions == 0 and oom_steps == 0,
     }
 
 

@@ -13,7 +13,9 @@ Method (documented in loadtests/README.md):
   simulated time, i.e. only while all ``c`` clients have a request in flight (the old window ran on into the
   drain after the last send, when concurrency falls);
 * the window is cut into ``blocks`` equal parts and the lowest and highest block rates are reported next to
-  the mean as its spread; ``repeats`` runs per level (different seeds) are averaged.
+  the mean as its spread; ``repeats`` runs per level (different seeds) are averaged;
+* each level is also run in-process through the simulator's engine (``bound.closed_loop_capacity``: same
+  sizes, stagger and window, no HTTP), which is deterministic and free of the clients' round trips.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests import runner
+from loadtests.bound import closed_loop_capacity
 from loadtests.compare import model_name
 from loadtests.procs import start_sim
 from loadtests.scenario import Arrival, Scenario
@@ -105,6 +108,11 @@ def sweep(scenario: Scenario, out_dir: Path) -> dict[str, Any]:
             "runs": runs,
         }
         row["stable"] = row["preemptions"] == 0 and row["oom_crashes"] == 0
+        # The same closed loop through the engine in-process: no HTTP, no machine load, deterministic.
+        ip = closed_loop_capacity(
+            scenario, c, cfg.duration_s, cfg.warmup_s, stagger_s=cfg.stagger_s, largest_class=True
+        )
+        row["in_process"] = ip
         rows.append(row)
         print(
             f"  sweep c={c}: {row['output_tok_per_s']:,.0f} tok/s (blocks {row['min_block_tok_per_s']:,.0f}"
@@ -114,6 +122,8 @@ def sweep(scenario: Scenario, out_dir: Path) -> dict[str, Any]:
         )
     stable = [r for r in rows if r["stable"]]
     best = max(stable, key=lambda r: r["output_tok_per_s"]) if stable else None
+    ip_stable = [r for r in rows if r["in_process"]["stable"]]
+    best_ip = max(ip_stable, key=lambda r: r["in_process"]["output_tok_per_s"]) if ip_stable else None
     result = {
         "shape": {
             "prompt_tokens": [cls.prompt_tokens.min, cls.prompt_tokens.max],
@@ -128,6 +138,9 @@ def sweep(scenario: Scenario, out_dir: Path) -> dict[str, Any]:
         },
         "rows": rows,
         "best_stable": best,
+        "best_stable_in_process": (
+            {"concurrency": best_ip["concurrency"], **best_ip["in_process"]} if best_ip is not None else None
+        ),
     }
     (out_dir / "sweep.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
