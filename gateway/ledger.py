@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 
 from gateway.cost import RequestCost
 
+ENGINE_LEAD_TOKENS = 8  # how far a decoding sequence may be ahead of the tokens the gateway has relayed
+EXACT_LIMIT = 64  # decoding requests up to which the peak is computed exactly
+
 
 @dataclass(slots=True, eq=False)
 class Reservation:
@@ -110,33 +113,51 @@ class Ledger:
         A request not yet seen decoding counts whole, for the whole horizon. A decoding one holds its prompt
         plus what it has generated, grows by one token per sequence per engine step (vLLM decodes every
         running sequence each step) and frees everything when it reaches its output budget. The sum is
-        highest just before some request finishes, so only those instants are evaluated: requests sorted by
-        remaining tokens, running sums, O(n log n). Per-sequence rounding is bounded from above, which also
-        covers the few tokens the engine is ahead of what the gateway has seen.
+        highest just before some request finishes, so only those instants are evaluated, with the requests
+        sorted by remaining tokens. Each sequence is assumed ``ENGINE_LEAD_TOKENS`` ahead of what the gateway
+        has seen of it (the stream trails the engine). Up to ``EXACT_LIMIT`` decoding requests the blocks are
+        counted exactly, O(n^2); beyond that, running sums with per-sequence rounding bounded from above,
+        O(n log n), which overstates by at most one block per sequence.
         """
         fixed = 0
-        decoding: list[tuple[int, int, int, int]] = []  # (remaining, tokens held now, sequences, full blocks)
+        decoding: list[tuple[int, Reservation, int]] = []  # (remaining, reservation, tokens per sequence held)
         for res in self._live.values():
-            cost = res.cost
-            sequences = cost.num_sequences
             if res.first_token_at is None:
                 fixed += res.blocks
                 continue
-            per_seq = min(cost.max_output, res.generated // max(1, sequences))
-            remaining = max(1, cost.max_output - per_seq)  # done generating: holds its blocks until it ends
-            held_tokens = cost.sequences_per_prompt * sum(p + per_seq for p in cost.prompt_tokens)
-            decoding.append((remaining, held_tokens, sequences, res.blocks))
-        decoding.sort(reverse=True)
+            cost = res.cost
+            seen = min(cost.max_output, res.generated // max(1, cost.num_sequences))
+            remaining = max(1, cost.max_output - seen)  # done generating: holds its blocks until it ends
+            # sized as if the engine were ENGINE_LEAD_TOKENS ahead, timed as if it were not: both err safe
+            decoding.append((remaining, res, seen + ENGINE_LEAD_TOKENS))
+        decoding.sort(key=lambda item: item[0], reverse=True)
+        if len(decoding) <= EXACT_LIMIT:
+            return fixed + self._peak_exact(decoding)
+        return fixed + self._peak_bound(decoding)
+
+    def _peak_exact(self, decoding: list[tuple[int, Reservation, int]]) -> int:
+        peak = 0
+        for j, (remaining, _, _) in enumerate(decoding):
+            t = remaining - 1  # the last step before this request (and every one with less left) is done
+            held = sum(
+                res.cost.blocks_after((per_seq + t) * res.cost.num_sequences, self.block_size)
+                for _, res, per_seq in decoding[: j + 1]
+            )
+            peak = max(peak, held)
+        return peak
+
+    def _peak_bound(self, decoding: list[tuple[int, Reservation, int]]) -> int:
         bs = self.block_size
         peak = tokens = sequences = full = 0
-        for remaining, held_tokens, seqs, blocks in decoding:
-            tokens += held_tokens
-            sequences += seqs
-            full += blocks
-            t = remaining - 1  # the last step before this request (and every shorter one) is done
+        for remaining, res, per_seq in decoding:
+            cost = res.cost
+            tokens += cost.sequences_per_prompt * sum(p + per_seq for p in cost.prompt_tokens)
+            sequences += cost.num_sequences
+            full += res.blocks
+            t = remaining - 1
             bound = (tokens + sequences * t + sequences * (bs - 1)) // bs
             peak = max(peak, min(bound, full))
-        return fixed + peak
+        return peak
 
     def set_block_size(self, block_size: int) -> None:
         self.block_size = block_size

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gateway.admission import AdmissionController, Admitted, Queued, Rejected, UsageSample
 from gateway.config import AdmissionConfig
 from gateway.cost import KvGeometry, RequestCost
+from gateway.ledger import ENGINE_LEAD_TOKENS
 
 GEO = KvGeometry(block_size=16, num_blocks=100)
 
@@ -240,7 +244,7 @@ lockstep_ops = st.lists(
     st.one_of(
         st.tuples(st.just("submit"), st.integers(1, 40), st.integers(1, 30), st.integers(1, 3)),
         st.tuples(st.just("burst"), st.integers(1, 10), st.integers(1, 30), st.integers(1, 12)),
-        st.tuples(st.just("step"), st.integers(1, 40), st.integers(0, 3), st.just(0)),
+        st.tuples(st.just("step"), st.integers(1, 40), st.integers(0, ENGINE_LEAD_TOKENS), st.just(0)),
         st.tuples(st.just("sample"), st.just(0), st.just(0), st.just(0)),
         st.tuples(st.just("cancel"), st.integers(0, 50), st.just(0), st.just(0)),
     ),
@@ -248,17 +252,23 @@ lockstep_ops = st.lists(
 )
 
 
+@pytest.mark.parametrize("exact_limit", [64, 0], ids=["exact", "bound"])
 @settings(max_examples=400, deadline=None)
-@given(lockstep_ops, st.booleans())
-@example([("burst", 1, 29, 12), ("step", 1, 0, 0), ("burst", 1, 29, 12), ("step", 40, 0, 0)], True)
+@given(script=lockstep_ops, exclusive=st.booleans())
+@example(script=[("burst", 1, 29, 12), ("step", 1, 0, 0), ("burst", 1, 29, 12), ("step", 40, 0, 0)], exclusive=True)
 def test_lockstep_engine_never_exceeds_the_high_watermark(
-    script: list[tuple[str, int, int, int]], exclusive: bool
+    script: list[tuple[str, int, int, int]], exclusive: bool, exact_limit: int
 ) -> None:
     """An engine that behaves as continuous batching does: an admitted request prefills at once, then every
     running sequence gains one token per step and frees its blocks at its output budget. The gateway sees
     each request's tokens up to ``lag`` steps late. However requests interleave, what the engine really holds
     never exceeds the high watermark (90 of 100 blocks), while the gateway admits more than whole
     reservations would allow."""
+    with patch("gateway.ledger.EXACT_LIMIT", exact_limit):
+        _run_lockstep(script, exclusive)
+
+
+def _run_lockstep(script: list[tuple[str, int, int, int]], exclusive: bool) -> None:
     c = make(exclusive_upstream=exclusive, queue_max_wait_s=1e9, growth_model="lockstep")
     now = 0.0
     live: list = []  # reservations in the engine
@@ -295,7 +305,9 @@ def test_lockstep_engine_never_exceeds_the_high_watermark(
                         live.remove(r)
                         c.release(r, now)
                     else:
-                        lag = b  # the gateway has seen up to `lag` tokens fewer than the engine made
+                        # the gateway has seen up to ENGINE_LEAD_TOKENS fewer than the engine made, and
+                        # how many fewer differs from request to request
+                        lag = (b * r.id + r.id // 3) % (ENGINE_LEAD_TOKENS + 1)
                         c.progress(r, max(0, generated[r.id] - lag) * r.cost.num_sequences, now)
                 assert engine_blocks() <= 90
                 for t, res in c.pump(now):
