@@ -319,7 +319,9 @@ def test_client_disconnect_mid_stream_frees_the_engine(engine: VllmEngine, gatew
     before = burst.metrics_now(engine.base_url)
 
     async def open_and_drop() -> float:
-        sdk = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0)
+        # The SDK's default 5 s connect timeout is shorter than the engine (busy-spinning on both cores) can
+        # starve this client process for: give every phase the suite's generous timeout.
+        sdk = openai.AsyncOpenAI(base_url=f"{gateway.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
         streams = [
             await sdk.completions.create(
                 model=MODEL_NAME,
