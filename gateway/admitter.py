@@ -56,6 +56,7 @@ class Admitter:
         self.metrics = metrics
         self.clock = clock
         self._waiters: dict[int, tuple[Ticket, asyncio.Future[Reservation], asyncio.TimerHandle]] = {}
+        self._tenants_seen: set[str] = set()  # tenants whose queue-depth gauge exists (reset to 0 when empty)
 
     @asynccontextmanager
     async def reserve(
@@ -233,3 +234,9 @@ class Admitter:
         self.metrics.reserved_blocks.set(c.ledger.reserved_blocks)
         self.metrics.inflight.set(len(c.ledger))
         self.metrics.queue_depth.set(len(c.queue))
+        depths = c.queue.tenant_lengths()
+        for tenant in self._tenants_seen - depths.keys():
+            self.metrics.tenant_queue_depth.labels(tenant).set(0)
+        for tenant, n in depths.items():
+            self.metrics.tenant_queue_depth.labels(tenant).set(n)
+        self._tenants_seen |= depths.keys()

@@ -11,9 +11,7 @@ _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.gate_open = Gauge(
-            "kvgate_gate_open", "1 while the hysteresis gate admits, 0 while closed", registry=r
-        )
+        self.gate_open = Gauge("kvgate_gate_open", "1 while the hysteresis gate admits, 0 while closed", registry=r)
         self.kv_usage_observed = Gauge(
             "kvgate_kv_usage_observed", "KV cache usage (0..1) in the latest upstream sample", registry=r
         )
@@ -22,12 +20,8 @@ class GatewayMetrics:
             "Projected KV usage (0..1): sample plus what the ledger adds",
             registry=r,
         )
-        self.reserved_blocks = Gauge(
-            "kvgate_reserved_blocks", "KV blocks reserved by in-flight requests", registry=r
-        )
-        self.inflight = Gauge(
-            "kvgate_inflight_requests", "Requests admitted and not yet finished", registry=r
-        )
+        self.reserved_blocks = Gauge("kvgate_reserved_blocks", "KV blocks reserved by in-flight requests", registry=r)
+        self.inflight = Gauge("kvgate_inflight_requests", "Requests admitted and not yet finished", registry=r)
         self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting for admission", registry=r)
         self.queue_wait = Histogram(
             "kvgate_queue_wait_seconds",
@@ -82,9 +76,7 @@ class GatewayMetrics:
             "Requests sent again after a pooled connection turned out closed before any response",
             registry=r,
         )
-        self.scrape_errors = Counter(
-            "kvgate_scrape_errors", "Failed scrapes of the upstream /metrics", registry=r
-        )
+        self.scrape_errors = Counter("kvgate_scrape_errors", "Failed scrapes of the upstream /metrics", registry=r)
         self.metrics_age = Gauge(
             "kvgate_upstream_metrics_age_seconds", "Age of the latest good upstream sample", registry=r
         )
@@ -99,9 +91,7 @@ class GatewayMetrics:
         self.upstream_preemptions = Counter(
             "kvgate_upstream_preemptions", "Preemptions the engine reported (vllm:num_preemptions_total)", registry=r
         )
-        self.ready = Gauge(
-            "kvgate_ready", "1 when the upstream is reachable and its metrics fresh", registry=r
-        )
+        self.ready = Gauge("kvgate_ready", "1 when the upstream is reachable and its metrics fresh", registry=r)
         self.loop_lag = Histogram(
             "kvgate_event_loop_lag_seconds",
             "How late the event loop ran a timer",
@@ -119,6 +109,9 @@ class GatewayMetrics:
         )
 
         # --- tenants, priorities, shared limits, policy reloads ---
+        self.tenant_queue_depth = Gauge(
+            "kvgate_tenant_queue_depth", "Requests waiting for admission, per tenant", ["tenant"], registry=r
+        )
         self.tenant_admitted_tokens = Counter(
             "kvgate_tenant_admitted_tokens",
             "Tokens (prompt + reserved output) admitted, by tenant and priority class",

@@ -154,6 +154,10 @@ class AdmissionQueue:
     def tenant_len(self, tenant: str) -> int:
         return self._per_tenant.get(tenant, 0)
 
+    def tenant_lengths(self) -> dict[str, int]:
+        """Waiting tickets per tenant (tenants with none are absent)."""
+        return {tenant: n for tenant, n in self._per_tenant.items() if n}
+
     def waiting_at_or_above(self, priority: int) -> bool:
         """Whether a ticket of this class or a higher one is waiting (an arrival must queue behind it)."""
         return any(c.size for c in self._classes[: priority + 1])
