@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.support.procs import Proc, free_port
-from tests.support.scrape import assert_ledger_empty, scrape
+from tests.support.scrape import assert_ledger_empty, parse_metrics, scrape
 from tests.support.tenant_http import Reply, completion, post
 
 pytestmark = pytest.mark.e2e
@@ -75,7 +75,7 @@ def test_equal_weights_flooder_gets_half_the_tokens(
         """Server-side truth: per-tenant queue depth and admitted tokens, read in one /metrics snapshot."""
         with httpx.Client() as client:
             while not stop.is_set():
-                snapshots.append(_parse_metrics(client.get(gw + "/metrics").text))
+                snapshots.append(parse_metrics(client.get(gw + "/metrics").text))
                 time.sleep(0.01)
 
     async def go() -> list[Reply]:
@@ -241,14 +241,3 @@ def test_reload_under_load_loses_no_request(mini_vllm: Callable[..., str], procs
         f"\n[reload] {len(replies)} requests in {time.monotonic() - started:.1f}s across 2 applied reloads "
         f"and 1 rejected one: all 200; limits seen {sorted(set(limits))}"
     )
-
-
-def _parse_metrics(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return out

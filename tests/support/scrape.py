@@ -7,7 +7,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 def scrape(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=5).text
+    return parse_metrics(httpx.get(url + "/metrics", timeout=5).text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
