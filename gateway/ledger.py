@@ -3,8 +3,8 @@
 A usage sample from ``/metrics`` is a picture of the past. The ledger is what fills the gap until the next
 one: for every admitted request it knows how many blocks the request may grow to and how many the latest
 sample already shows (only once the request's first token was seen before that sample started is its
-progress known to be inside it). ``outstanding_blocks`` is the difference: what the engine may still
-allocate that no sample has shown yet.
+progress known to be inside it), and :meth:`Ledger.peak_blocks` says how much they can hold at once as
+they go on decoding. Whatever a sample shows beyond our known part belongs to other clients.
 
 Every reservation is released exactly once: :meth:`Ledger.release` answers False on a second call, and the
 counters let tests check that nothing is left behind.
@@ -50,14 +50,6 @@ class Ledger:
 
     def __len__(self) -> int:
         return len(self._live)
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(list(self._live.values()))
-
-    @property
-    def outstanding_blocks(self) -> int:
-        """Blocks reserved that the latest sample does not show yet (in-flight credit plus decode growth)."""
-        return self.reserved_blocks - self._in_sample_blocks
 
     def reserve(self, cost: RequestCost, tenant: str, now: float) -> Reservation:
         self._next_id += 1

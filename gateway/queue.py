@@ -229,7 +229,3 @@ class AdmissionQueue:
         for t in gone:
             self.remove(t)
         return gone
-
-    def blocks_ahead(self, ticket: Ticket) -> int:
-        key = (ticket.priority, ticket.start, ticket.id)
-        return sum(t.cost.blocks for t in self._by_id.values() if (t.priority, t.start, t.id) < key)

@@ -200,7 +200,7 @@ def test_projection_never_admits_past_the_high_watermark(script: list[tuple[str,
         assert engine_blocks() <= worst <= 90
     for r in live:
         c.release(r, now)
-    assert len(c.ledger) == 0 and c.ledger.reserved_blocks == 0 and c.ledger.outstanding_blocks == 0
+    assert len(c.ledger) == 0 and c.ledger.reserved_blocks == 0 and c.ledger.in_sample_blocks == 0
     assert c.ledger.reserved_count == c.ledger.released_count
 
 
