@@ -6,7 +6,6 @@ import asyncio
 import itertools
 import math
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -16,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.procs import Proc, free_port
+from tests.support.procs import Proc, start_gateway_with_file
 from tests.support.scrape import assert_ledger_empty, parse_metrics, scrape
 from tests.support.tenant_http import Reply, completion, post
 
@@ -186,23 +185,8 @@ def test_reload_under_load_loses_no_request(mini_vllm: Callable[..., str], procs
 
     _configmap_version(tmp_path, "..v1", config(100_000))
     os.symlink("..data/kvgate.yaml", tmp_path / "kvgate.yaml")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [
-        sys.executable,
-        "-m",
-        "gateway",
-        "serve",
-        "--upstream",
-        upstream,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--config",
-        str(tmp_path / "kvgate.yaml"),
-    ]
-    procs.append(Proc(argv, url + "/readyz"))
+    proc, url = start_gateway_with_file(upstream, tmp_path / "kvgate.yaml")  # the ConfigMap-style symlink
+    procs.append(proc)
 
     async def go() -> list[Reply]:
         replies: list[Reply] = []

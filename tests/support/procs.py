@@ -36,7 +36,9 @@ class Proc:
         env: dict[str, str] | None = None,
         ready_status: int = 200,
         timeout_s: float = 30.0,
+        remove_on_stop: Sequence[Path] = (),
     ) -> None:
+        self.remove_on_stop = list(remove_on_stop)
         self.log = tempfile.NamedTemporaryFile(prefix="kvgate-test-", suffix=".log", delete=False)  # noqa: SIM115
         self.popen = subprocess.Popen(
             list(argv),
@@ -84,7 +86,8 @@ class Proc:
                 self.signal(signal.SIGKILL)
                 self.popen.wait(5)
         self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
+        for path in [Path(self.log.name), *self.remove_on_stop]:
+            path.unlink(missing_ok=True)
 
 
 def start_mini_vllm(**opts: object) -> tuple[Proc, str]:
@@ -99,9 +102,17 @@ def start_mini_vllm(**opts: object) -> tuple[Proc, str]:
 def start_gateway(
     upstream: str, config: dict[str, object] | None = None, *, ready: bool = True, extra_args: Sequence[str] = ()
 ) -> tuple[Proc, str]:
-    port = free_port()
+    """``kvgate serve`` with ``config`` written to a temporary file (removed when the process is stopped)."""
     with tempfile.NamedTemporaryFile("w", prefix="kvgate-", suffix=".yaml", delete=False) as cfg_file:
         yaml.safe_dump(config or {}, cfg_file)
+    return start_gateway_with_file(upstream, Path(cfg_file.name), ready=ready, extra_args=extra_args, owned=True)
+
+
+def start_gateway_with_file(
+    upstream: str, config_path: Path, *, ready: bool = True, extra_args: Sequence[str] = (), owned: bool = False
+) -> tuple[Proc, str]:
+    """``kvgate serve`` with a config file the caller manages (``owned``: remove it on stop)."""
+    port = free_port()
     argv = [
         sys.executable,
         "-m",
@@ -114,8 +125,9 @@ def start_gateway(
         "--port",
         str(port),
         "--config",
-        cfg_file.name,
+        str(config_path),
         *extra_args,
     ]
     url = f"http://127.0.0.1:{port}"
-    return Proc(argv, url + ("/readyz" if ready else "/healthz")), url
+    cleanup = [config_path] if owned else []
+    return Proc(argv, url + ("/readyz" if ready else "/healthz"), remove_on_stop=cleanup), url
