@@ -167,6 +167,7 @@ class Gateway:
             timeout_s=cfg.upstream.timeout_s,
             connect_timeout_s=cfg.upstream.connect_timeout_s,
             api_key=cfg.upstream.api_key,
+            max_connections=cfg.upstream.max_connections,
         )
         self.scraper = Scraper(
             cfg.upstream.url,
@@ -227,6 +228,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.limits.close()
+        if hasattr(self, "forwarder"):
+            await self.forwarder.close()
         if self.session is not None:
             await self.session.close()
 

@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 
 from gateway.errors import GatewayError, engine_busy, upstream_unavailable
+from gateway.http_client import ConnectFailed, Pool, Response, UpstreamError
 from gateway.metrics import GatewayMetrics
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -36,7 +37,8 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-_NOT_FORWARDED_UP = HOP_BY_HOP | {b"host", b"content-length"}
+# expect: the whole body is already here, and an interim "100 Continue" answer is not something to relay.
+_NOT_FORWARDED_UP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {b"content-length", b"date", b"server"}
 _TAIL_BYTES = 4096
 BUSY_RETRY_AFTER_S = 1.0
@@ -72,19 +74,21 @@ class ResponseWriter:
 
 def upstream_headers(
     client_headers: Iterable[tuple[bytes, bytes]], request_id: str, api_key: str | None
-) -> dict[str, str]:
-    headers = {
-        k.decode("latin-1"): v.decode("latin-1") for k, v in client_headers if k.lower() not in _NOT_FORWARDED_UP
-    }
-    headers["x-request-id"] = request_id
+) -> list[tuple[bytes, bytes]]:
+    """The client's headers minus hop-by-hop ones, with our request id (and the engine's key, if it has one)."""
+    replaced = {b"x-request-id"} if api_key is None else {b"x-request-id", b"authorization"}
+    headers = [
+        (k, v) for k, v in client_headers if (name := k.lower()) not in _NOT_FORWARDED_UP and name not in replaced
+    ]
+    headers.append((b"x-request-id", request_id.encode("latin-1")))
     if api_key is not None:
-        headers["authorization"] = f"Bearer {api_key}"
+        headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))
     return headers
 
 
-def relayed_headers(resp: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+def relayed_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The engine's headers as it sent them (duplicates such as set-cookie kept), minus hop-by-hop ones."""
-    return [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in _NOT_RELAYED_DOWN]
+    return [(k.lower(), v) for k, v in headers if k.lower() not in _NOT_RELAYED_DOWN]
 
 
 def is_engine_busy(body: bytes) -> bool:
@@ -127,6 +131,9 @@ def _usage_from_tail(tail: bytes) -> Usage | None:
 
 
 class Forwarder:
+    """Inference requests go through the lean client of :mod:`gateway.http_client` (the hot path); every other
+    path through aiohttp, which copes with any method and framing."""
+
     def __init__(
         self,
         base_url: str,
@@ -136,18 +143,29 @@ class Forwarder:
         timeout_s: float,
         connect_timeout_s: float,
         api_key: str | None,
+        max_connections: int = 1024,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.session = session
         self.metrics = metrics
         self.api_key = api_key
+        self.timeout_s = timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
+        self.pool = Pool(
+            base_url,
+            connect_timeout_s=connect_timeout_s,
+            max_connections=max_connections,
+            on_retry=metrics.upstream_retries.inc,
+        )
+
+    async def close(self) -> None:
+        await self.pool.close()
 
     async def inference(
         self,
         path: str,
         body: bytes,
-        headers: dict[str, str],
+        headers: list[tuple[bytes, bytes]],
         writer: ResponseWriter,
         extra_headers: list[tuple[bytes, bytes]],
         on_progress: Callable[[int], None],
@@ -155,24 +173,25 @@ class Forwarder:
         """Forward one admitted request; returns the engine's usage when it reported one."""
         started = time.perf_counter()
         try:
-            async with await self._send("POST", self.base_url + path, body, headers) as resp:
-                if resp.status == 200 and resp.content_type == "text/event-stream":
+            async with await self.pool.request("POST", path, headers, body, self.timeout_s) as resp:
+                media_type = resp.media_type
+                if resp.status == 200 and media_type == "text/event-stream":
                     return await self._relay_stream(resp, writer, extra_headers, on_progress, started)
                 payload = await resp.read()
                 self.metrics.ttft.observe(time.perf_counter() - started)
                 if resp.status == 503 and is_engine_busy(payload):
                     self.metrics.upstream_busy.labels("status").inc()
                     raise engine_busy(BUSY_RETRY_AFTER_S)
-                await writer.start(resp.status, [*relayed_headers(resp), *extra_headers, _length(payload)])
+                await writer.start(resp.status, [*relayed_headers(resp.headers), *extra_headers, _length(payload)])
                 await writer.body(payload)
                 self.metrics.latency.observe(time.perf_counter() - started)
-                if resp.status == 200 and resp.content_type == "application/json":
+                if resp.status == 200 and media_type == "application/json":
                     return parse_usage(payload)
                 return None
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             raise _upstream_failure(exc) from exc
 
-    async def _send(self, method: str, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+    async def _send(self, method: str, url: str, body: bytes, headers: list[tuple[str, str]]) -> aiohttp.ClientResponse:
         """Send and wait for the response head. A pooled keep-alive connection that the engine closed an
         instant ago fails before any response arrives; the request then never got a response, so it is sent
         once more on a fresh connection (what browsers do). Connection refusals are not retried."""
@@ -186,19 +205,19 @@ class Forwarder:
 
     async def _relay_stream(
         self,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         writer: ResponseWriter,
         extra_headers: list[tuple[bytes, bytes]],
         on_progress: Callable[[int], None],
         started: float,
     ) -> Usage | None:
-        chunks = resp.content.iter_any()
+        chunks = resp.chunks()
         first = await anext(chunks, b"")
         self.metrics.ttft.observe(time.perf_counter() - started)
         if _first_event_is_busy(first):
             self.metrics.upstream_busy.labels("sse").inc()
             raise engine_busy(BUSY_RETRY_AFTER_S)
-        await writer.start(200, [*relayed_headers(resp), *extra_headers])
+        await writer.start(200, [*relayed_headers(resp.headers), *extra_headers])
         events = first.count(b"data:")
         tail = first[-_TAIL_BYTES:]
         await writer.body(first, more=True)
@@ -213,13 +232,14 @@ class Forwarder:
         return _usage_from_tail(tail)
 
     async def passthrough(
-        self, method: str, path_qs: str, body: bytes, headers: dict[str, str], writer: ResponseWriter
+        self, method: str, path_qs: str, body: bytes, headers: list[tuple[bytes, bytes]], writer: ResponseWriter
     ) -> None:
         """Any other path: same status, same body, same headers minus hop-by-hop ones."""
+        str_headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
         try:
-            async with await self._send(method, self.base_url + path_qs, body, headers) as resp:
+            async with await self._send(method, self.base_url + path_qs, body, str_headers) as resp:
                 length = [] if resp.content_length is None else [_length_n(resp.content_length)]
-                await writer.start(resp.status, [*relayed_headers(resp), *length])
+                await writer.start(resp.status, [*relayed_headers(resp.raw_headers), *length])
                 async for chunk in resp.content.iter_any():
                     await writer.body(chunk, more=True)
                 await writer.body(b"")
@@ -229,7 +249,7 @@ class Forwarder:
 
 def _upstream_failure(exc: BaseException) -> GatewayError:
     """What the client is told when the engine could not be reached or broke off (503, 504 or 502)."""
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, aiohttp.ClientConnectorError | ConnectFailed):
         return upstream_unavailable(f"The inference engine is unreachable: {exc}", 1.0)
     if isinstance(exc, TimeoutError):
         return GatewayError(

@@ -53,7 +53,7 @@ async def call(forwarder: Forwarder) -> tuple[Any, list[dict[str, Any]]]:
         sent.append(message)
 
     usage = await forwarder.inference(
-        "/v1/completions", b'{"prompt":"x"}', {}, ResponseWriter(send), [], lambda _: None
+        "/v1/completions", b'{"prompt":"x"}', [], ResponseWriter(send), [], lambda _: None
     )
     return usage, sent
 

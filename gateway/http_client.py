@@ -1,0 +1,393 @@
+"""A lean HTTP/1.1 client for the hot path: send one request to the engine, stream its answer back.
+
+Why not aiohttp here: a bare uvicorn relay spends most of its CPU in the upstream client, and aiohttp's
+request machinery (URL objects, multidicts, payload classes, tracing hooks) costs far more than the bytes
+need (measured side by side: ``python3 loadtests/bench_upstream_client.py``). This client writes one
+request with a single ``write``, parses the answer with httptools (the parser uvicorn uses) and hands body
+chunks straight to the caller. aiohttp still serves every other upstream call: scrapes, ``/tokenize`` and
+passthrough paths, where HEAD requests and rarer framings occur.
+
+What it does:
+
+- keep-alive pool, LIFO, with idle connections dropped before the engine's own keep-alive timeout; a reused
+  connection that fails before any byte of the answer arrived is retried once on a fresh one;
+- one deadline per request (connect + head + body), like aiohttp's ``ClientTimeout(total=...)``;
+- flow control: reading from the engine pauses while the caller has not taken what is buffered;
+- leaving a response before its end closes the connection. That is how vLLM learns that the client went
+  away, and how it frees the request's KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
+from types import TracebackType
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+Headers = list[tuple[bytes, bytes]]
+
+_PAUSE_ABOVE_BYTES = 1 << 20  # buffered but not yet taken by the caller
+
+
+class UpstreamError(Exception):
+    """The engine could not be reached, or it broke off."""
+
+
+class ConnectFailed(UpstreamError):
+    """No connection could be made: nothing was sent."""
+
+
+class Disconnected(UpstreamError):
+    """The connection broke (or the engine sent something that is not HTTP) before the answer was complete."""
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection; carries one exchange at a time."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: Response | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.used = False  # has carried an exchange before: a failure may be a stale keep-alive
+
+    # --- asyncio.Protocol ---------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None:  # bytes nobody asked for: this connection cannot be trusted any more
+            self.close()
+            return
+        response.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            response.fail(Disconnected(f"the engine sent an invalid HTTP response: {exc}"))
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        response = self.response
+        if response is not None and not response.complete:
+            if exc is None and response.head_done and response.framed_by_close:
+                response.finish()
+            else:
+                response.fail(Disconnected(f"the engine closed the connection{f': {exc}' if exc else ''}"))
+
+    # --- httptools callbacks ------------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.response is not None
+        self.response.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        response.status = self.parser.get_status_code()
+        response.head_received()
+
+    def on_body(self, body: bytes) -> None:
+        assert self.response is not None
+        if self.response.feed(body) > _PAUSE_ABOVE_BYTES and self.transport is not None:
+            self.transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        assert self.response is not None
+        self.response.keep_alive = self.parser.should_keep_alive()
+        self.response.finish()
+
+    # --- used by Response and Pool ------------------------------------------------------------------
+
+    def send(self, data: bytes, response: Response) -> None:
+        assert self.transport is not None
+        self.response = response
+        self.used = True
+        self.transport.write(data)
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class Response:
+    """The engine's answer: ``status`` and ``headers`` once :meth:`Pool.request` returns, then the body."""
+
+    def __init__(self, conn: _Connection, deadline: float) -> None:
+        self.conn = conn
+        self.status = 0
+        self.headers: Headers = []
+        self.head_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.got_bytes = False
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_at(deadline, self._on_deadline)
+
+    # --- what the caller sees -----------------------------------------------------------------------
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    @property
+    def media_type(self) -> str:
+        """``content-type`` without its parameters, lower-cased (``text/event-stream``, ``application/json``)."""
+        value = self.header(b"content-type")
+        return "" if value is None else value.split(b";", 1)[0].strip().lower().decode("latin-1")
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive."""
+        while True:
+            if self._chunks:
+                chunk = self._chunks.popleft()
+                self._buffered -= len(chunk)
+                if self._buffered <= _PAUSE_ABOVE_BYTES // 2:
+                    self.conn.resume()
+                yield chunk
+                continue
+            if self._error is not None:
+                raise self._error
+            if self.complete:
+                return
+            await self._wait()
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        return b"".join([chunk async for chunk in self.chunks()])
+
+    async def __aenter__(self) -> Response:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Done with the answer: a finished keep-alive connection goes back to the pool; an unfinished one is
+        closed, which tells the engine to abort the request."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        conn = self.conn
+        if conn.response is not self:
+            return  # already closed
+        conn.response = None
+        if self.complete and self.keep_alive and self._error is None and not conn.closed:
+            conn.pool.release(conn)
+        else:
+            conn.close()
+            conn.pool.forget(conn)
+
+    # --- fed by the connection ----------------------------------------------------------------------
+
+    @property
+    def framed_by_close(self) -> bool:
+        """No content-length and not chunked: the body ends when the connection does."""
+        return self.header(b"content-length") is None and self.header(b"transfer-encoding") is None
+
+    def head_received(self) -> None:
+        self.head_done = True
+        self._wake()
+
+    def feed(self, chunk: bytes) -> int:
+        self._chunks.append(chunk)
+        self._buffered += len(chunk)
+        self._wake()
+        return self._buffered
+
+    def finish(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None and not self.complete:
+            self._error = error
+            self._wake()
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        self.fail(TimeoutError("the engine did not answer within the request deadline"))
+        self.conn.close()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def wait_head(self) -> None:
+        while not self.head_done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+
+class Pool:
+    """Keep-alive connections to one engine (``http://host:port`` or ``https://...``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        connect_timeout_s: float,
+        max_connections: int = 1024,
+        keepalive_s: float = 4.0,
+        on_retry: Callable[[], object] | None = None,
+    ) -> None:
+        url = urlsplit(base_url)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise ValueError(f"upstream URL must be http(s)://host[:port], got {base_url!r}")
+        self.host = url.hostname
+        self.port = url.port or (443 if url.scheme == "https" else 80)
+        self.base_path = url.path.rstrip("/")
+        self.ssl = ssl.create_default_context() if url.scheme == "https" else None
+        default_port = (url.scheme == "https" and self.port == 443) or (url.scheme == "http" and self.port == 80)
+        host = url.hostname if ":" not in url.hostname else f"[{url.hostname}]"
+        self._host_header = b"host: " + (host if default_port else f"{host}:{self.port}").encode("idna") + b"\r\n"
+        self.connect_timeout_s = connect_timeout_s
+        # Idle connections are dropped before uvicorn's 5 s keep-alive timeout in vLLM closes them, which would
+        # otherwise race with the next request on the same connection.
+        self.keepalive_s = keepalive_s
+        self.max_connections = max_connections
+        self._idle: list[_Connection] = []
+        self._open = 0
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        self._on_retry = on_retry
+
+    async def request(
+        self, method: str, path: str, headers: Iterable[tuple[bytes, bytes]], body: bytes, timeout_s: float
+    ) -> Response:
+        """Send the request and wait for the answer's head. Use the response as ``async with``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s  # on the loop's clock, for call_at / timeout_at
+        data = self._encode(method, path, headers, body)
+        conn = await self._acquire(deadline)
+        response = await self._exchange(conn, data, deadline)
+        if response is not None:
+            return response
+        # A pooled keep-alive connection that the engine closed an instant ago fails before any answer arrives;
+        # the request then never got a response, so it is sent once more on a fresh connection (what browsers
+        # do). Connection refusals are not retried.
+        if self._on_retry is not None:
+            self._on_retry()
+        conn = await self._acquire(deadline, fresh=True)
+        response = await self._exchange(conn, data, deadline)
+        assert response is not None  # a fresh connection is never "stale"
+        return response
+
+    async def close(self) -> None:
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _encode(self, method: str, path: str, headers: Iterable[tuple[bytes, bytes]], body: bytes) -> bytes:
+        parts = [
+            f"{method} {self.base_path}{path} HTTP/1.1\r\n".encode("latin-1"),
+            self._host_header,
+            b"content-length: %d\r\n" % len(body),
+        ]
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        parts += (b"\r\n", body)
+        return b"".join(parts)
+
+    async def _exchange(self, conn: _Connection, data: bytes, deadline: float) -> Response | None:
+        """The answer's head; None when a reused connection died before answering (worth one retry)."""
+        reused = conn.used
+        response = Response(conn, deadline)
+        try:
+            conn.send(data, response)
+            await response.wait_head()
+        except Disconnected:
+            response.close()
+            if reused and not response.got_bytes:
+                return None
+            raise
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    async def _acquire(self, deadline: float, fresh: bool = False) -> _Connection:
+        now = time.monotonic()
+        while self._idle and not fresh:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.close()
+            self._open -= 1
+        while self._open >= self.max_connections:
+            waiter = asyncio.get_running_loop().create_future()
+            self._slot_waiters.append(waiter)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            finally:
+                if waiter in self._slot_waiters:
+                    self._slot_waiters.remove(waiter)
+            if self._idle and not fresh:
+                return await self._acquire(deadline)
+        self._open += 1
+        try:
+            loop = asyncio.get_running_loop()
+            async with asyncio.timeout_at(min(deadline, loop.time() + self.connect_timeout_s)):
+                _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.ssl)
+        except TimeoutError as exc:
+            self._open -= 1
+            self._wake_one()
+            raise ConnectFailed(f"connecting to {self.host}:{self.port} timed out") from exc
+        except OSError as exc:
+            self._open -= 1
+            self._wake_one()
+            raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+        except BaseException:
+            self._open -= 1
+            self._wake_one()
+            raise
+        return conn
+
+    def release(self, conn: _Connection) -> None:
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+        self._wake_one()
+
+    def forget(self, conn: _Connection) -> None:
+        """A connection that was closed while carrying an exchange."""
+        self._open -= 1
+        self._wake_one()
+
+    def _wake_one(self) -> None:
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
