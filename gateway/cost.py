@@ -48,9 +48,7 @@ class RequestCost:
     def blocks_after(self, generated_total: int, block_size: int) -> int:
         """Blocks held once ``generated_total`` tokens (over all sequences) have been produced."""
         per_seq = min(self.max_output, generated_total // max(1, self.num_sequences))
-        return self.sequences_per_prompt * sum(
-            blocks_for(p + per_seq, block_size) for p in self.prompt_tokens
-        )
+        return self.sequences_per_prompt * sum(blocks_for(p + per_seq, block_size) for p in self.prompt_tokens)
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -86,9 +86,7 @@ def queue_full(retry_after_s: float, extra: dict[str, object] | None = None) -> 
     )
 
 
-def queue_timeout(
-    retry_after_s: float, waited_s: float, extra: dict[str, object] | None = None
-) -> GatewayError:
+def queue_timeout(retry_after_s: float, waited_s: float, extra: dict[str, object] | None = None) -> GatewayError:
     return GatewayError(
         503,
         f"The request waited {waited_s:.1f}s for KV-cache capacity without being admitted; retry later.",

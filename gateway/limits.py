@@ -49,9 +49,7 @@ class Charge:
 
 
 class SharedLimits:
-    def __init__(
-        self, cfg: RedisConfig, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, cfg: RedisConfig, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.clock = clock

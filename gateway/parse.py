@@ -92,9 +92,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         raise bad_request("'messages' must be a non-empty array.", param="messages")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(
-                f"messages[{i}] must be an object with a string 'role'.", param=f"messages[{i}]"
-            )
+            raise bad_request(f"messages[{i}] must be an object with a string 'role'.", param=f"messages[{i}]")
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
             raise bad_request(f"messages[{i}].content must be a string or an array.", param=f"messages[{i}]")

@@ -105,15 +105,11 @@ class RateLimiter:
     """In-process token buckets by key (a tenant, or a tenant and a model with its own limits)."""
 
     def __init__(self, tenants: list[TenantConfig] | None = None) -> None:
-        self._defaults = {
-            t.name: Limits(t.requests_per_minute, t.tokens_per_minute) for t in tenants or []
-        }
+        self._defaults = {t.name: Limits(t.requests_per_minute, t.tokens_per_minute) for t in tenants or []}
         self._requests: dict[str, TokenBucket] = {}
         self._tokens: dict[str, TokenBucket] = {}
 
-    def _bucket(
-        self, table: dict[str, TokenBucket], key: str, capacity: int | None, now: float
-    ) -> TokenBucket | None:
+    def _bucket(self, table: dict[str, TokenBucket], key: str, capacity: int | None, now: float) -> TokenBucket | None:
         if not capacity:
             table.pop(key, None)
             return None
@@ -124,9 +120,7 @@ class RateLimiter:
             bucket.resize(capacity, now)
         return bucket
 
-    def _buckets(
-        self, key: str, limits: Limits | None, now: float
-    ) -> tuple[TokenBucket | None, TokenBucket | None]:
+    def _buckets(self, key: str, limits: Limits | None, now: float) -> tuple[TokenBucket | None, TokenBucket | None]:
         lim = limits if limits is not None else self._defaults.get(key, Limits())
         return (
             self._bucket(self._requests, key, lim.requests_per_minute, now),
@@ -165,9 +159,7 @@ class RateLimiter:
 def _state(bucket: TokenBucket | None, now: float) -> LimitState | None:
     if bucket is None:
         return None
-    return LimitState(
-        int(bucket.capacity), max(0, math.floor(bucket.available(now))), bucket.reset_after(now)
-    )
+    return LimitState(int(bucket.capacity), max(0, math.floor(bucket.available(now))), bucket.reset_after(now))
 
 
 def ratelimit_headers(decision: RateDecision) -> list[tuple[bytes, bytes]]:

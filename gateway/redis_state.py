@@ -223,9 +223,7 @@ class RedisState:
 
     async def check(self, key: str, limits: Limits, tokens: int) -> RateDecision:
         rpm, tpm = limits.requests_per_minute or 0, limits.tokens_per_minute or 0
-        out: list[Any] = await self._call(
-            lambda: self._check(keys=[self.key("rl", key)], args=[rpm, tpm, tokens])
-        )
+        out: list[Any] = await self._call(lambda: self._check(keys=[self.key("rl", key)], args=[rpm, tpm, tokens]))
         allowed = int(out[0]) == 1
         req_left, tok_left, req_wait, tok_wait = (float(x) for x in out[1:])
         tok_wait = math.inf if tok_wait < 0 else tok_wait
@@ -247,9 +245,7 @@ class RedisState:
 
     async def acquire(self, key: str, limit: int, member: str) -> bool:
         lease_ms = int(self.cfg.slot_lease_s * 1000)
-        got = await self._call(
-            lambda: self._acquire(keys=[self.key("slots", key)], args=[limit, member, lease_ms])
-        )
+        got = await self._call(lambda: self._acquire(keys=[self.key("slots", key)], args=[limit, member, lease_ms]))
         return int(got) == 1
 
     async def release(self, key: str, member: str) -> None:

@@ -72,10 +72,7 @@ def _keep(line: str) -> bool:
 
 def filter_text(text: str) -> str:
     """Only the lines of the families we read (and their HELP/TYPE lines)."""
-    return (
-        "\n".join(line for line in text.splitlines() if line.startswith(("vllm:", "# ")) and _keep(line))
-        + "\n"
-    )
+    return "\n".join(line for line in text.splitlines() if line.startswith(("vllm:", "# ")) and _keep(line)) + "\n"
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:

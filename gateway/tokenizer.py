@@ -212,9 +212,7 @@ class HFTokenizer:
         jinja_file = directory / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text(encoding="utf-8")
-        special = {
-            k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")
-        }
+        special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         return cls(tokenizer, template, special, f"hf:{file}")
 
     def encode(self, text: str) -> list[int]:
@@ -256,9 +254,7 @@ def _compile_template(source: str) -> Any:
     def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **_: Any) -> str:
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -149,8 +149,10 @@ def run_entrypoint(tmp_path: Path, env: dict[str, str], args: list[str]) -> tupl
     fake.chmod(0o755)
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     proc = subprocess.Popen(
-        ["sh", *entrypoint[1:], *args], env={**clean, **env, "PATH": f"{tmp_path}:{os.environ['PATH']}"},
-        stdout=subprocess.PIPE, text=True,
+        ["sh", *entrypoint[1:], *args],
+        env={**clean, **env, "PATH": f"{tmp_path}:{os.environ['PATH']}"},
+        stdout=subprocess.PIPE,
+        text=True,
     )
     out, _ = proc.communicate(timeout=30)
     argv, pid = json.loads(out)
@@ -163,8 +165,12 @@ def test_entrypoint_maps_environment_to_flags(tmp_path: Path) -> None:
     argv, pid, shell_pid = run_entrypoint(tmp_path, {}, cmd)
     assert argv == ["serve", *cmd]
     assert pid == shell_pid, "sh must exec kvgate, or SIGTERM would stop at the shell"
-    env = {"KVGATE_UPSTREAM": "http://vllm:8000", "KVGATE_PORT": "9000", "KVGATE_TOKENIZER": "heuristic:3.5",
-           "KVGATE_LOG_LEVEL": "debug"}
+    env = {
+        "KVGATE_UPSTREAM": "http://vllm:8000",
+        "KVGATE_PORT": "9000",
+        "KVGATE_TOKENIZER": "heuristic:3.5",
+        "KVGATE_LOG_LEVEL": "debug",
+    }
     argv, _, _ = run_entrypoint(tmp_path, env, [*cmd, "--upstream", "http://other host:1"])
     cli = pytest.importorskip("gateway.cli")
     parsed = cli.build_parser().parse_args(argv)

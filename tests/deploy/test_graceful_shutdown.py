@@ -29,7 +29,7 @@ DRAIN_TIMEOUT_S = 20
 def sse_events(lines: Iterator[str]) -> Iterator[dict[str, object] | str]:
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             yield data if data == "[DONE]" else orjson.loads(data)
 
 
@@ -51,10 +51,14 @@ def test_sigterm_mid_stream_drains_then_exits(procs: list[object]) -> None:
         with httpx.Client(timeout=30) as c:
             queued["resp"] = c.post(url + "/v1/completions", json={"model": "mini", "prompt": "x", "max_tokens": 120})
 
-    with httpx.Client(timeout=30) as client, client.stream(
-        "POST", url + "/v1/completions",
-        json={"model": "mini", "prompt": "hi", "max_tokens": STREAM_TOKENS, "stream": True},
-    ) as stream:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream(
+            "POST",
+            url + "/v1/completions",
+            json={"model": "mini", "prompt": "hi", "max_tokens": STREAM_TOKENS, "stream": True},
+        ) as stream,
+    ):
         assert stream.status_code == 200
         events = sse_events(stream.iter_lines())
         first = next(events)

@@ -29,8 +29,19 @@ class RedisServer:
     def start(self) -> None:
         assert REDIS_SERVER is not None
         self.popen = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir],
+            [
+                REDIS_SERVER,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir,
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -64,6 +75,3 @@ def redis_server() -> Iterator[RedisServer]:
     server = RedisServer()
     yield server
     server.stop()
-
-
-

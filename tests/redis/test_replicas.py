@@ -54,8 +54,9 @@ def test_requests_per_minute_hold_across_two_replicas(
     assert 20 <= len(ok) <= 21, len(ok)
     # Both replicas turned requests away: each saw the shared count (which replica got the 20 is up to the
     # scheduler; with per-replica buckets each would have served 20 and none of its first 20 would be a 429).
-    limited_by = {url: sum(1 for i, r in enumerate(responses) if r.status == 429 and i % 2 == j)
-                  for j, url in enumerate(replicas)}
+    limited_by = {
+        url: sum(1 for i, r in enumerate(responses) if r.status == 429 and i % 2 == j) for j, url in enumerate(replicas)
+    }
     assert all(v > 0 for v in limited_by.values()), limited_by
     r = limited[0]
     assert r.json()["error"]["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1

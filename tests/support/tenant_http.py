@@ -31,8 +31,9 @@ class Reply:
         return int(self.headers.get("x-kvgate-queue-wait-ms", "0")) / 1000
 
 
-async def post(url: str, body: dict[str, object], key: str | None = None, tag: str = "",
-               path: str = "/v1/completions") -> Reply:
+async def post(
+    url: str, body: dict[str, object], key: str | None = None, tag: str = "", path: str = "/v1/completions"
+) -> Reply:
     parts = urlsplit(url)
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     payload = orjson.dumps(body)
