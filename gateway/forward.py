@@ -123,6 +123,8 @@ def parse_usage(payload: bytes) -> Usage | None:
 
 def _usage_from_tail(tail: bytes) -> Usage | None:
     """The last SSE event carrying ``usage`` (vLLM sends it last when ``include_usage`` is set)."""
+    if b'"usage"' not in tail:
+        return None
     for event in reversed(tail.split(b"\n\n")):
         event = event.strip()
         if event.startswith(b"data:") and b'"usage"' in event:

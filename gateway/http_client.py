@@ -58,6 +58,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self.used = False  # has carried an exchange before: a failure may be a stale keep-alive
+        self.paused = False  # reading paused until the caller takes what is buffered
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
 
@@ -99,7 +100,8 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         assert self.response is not None
-        if self.response.feed(body) > _PAUSE_ABOVE_BYTES and self.transport is not None:
+        if self.response.feed(body) > _PAUSE_ABOVE_BYTES and not self.paused and self.transport is not None:
+            self.paused = True
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
@@ -116,7 +118,8 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)
 
     def resume(self) -> None:
-        if self.transport is not None and not self.closed:
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
             self.transport.resume_reading()
 
     def close(self) -> None:
@@ -160,7 +163,13 @@ class Response:
         """Body chunks as they arrive."""
         while True:
             if self._chunks:
-                chunk = self._chunks.popleft()
+                # Everything that has arrived goes out as one piece: nothing waits for more, and a burst of SSE
+                # events costs one write downstream instead of one each.
+                if len(self._chunks) == 1:
+                    chunk = self._chunks.popleft()
+                else:
+                    chunk = b"".join(self._chunks)
+                    self._chunks.clear()
                 self._buffered -= len(chunk)
                 if self._buffered <= _PAUSE_ABOVE_BYTES // 2:
                     self.conn.resume()
@@ -195,6 +204,7 @@ class Response:
             return  # already closed
         conn.response = None
         if self.complete and self.keep_alive and self._error is None and not conn.closed:
+            conn.resume()  # reading may have been paused by a body left (partly) unread
             conn.pool.release(conn)
         else:
             conn.close()
