@@ -1,8 +1,9 @@
 """Which HTTP client should carry the gateway's upstream calls? Measured, not guessed (encode/httpx #3215).
 
-One process, one fast local upstream, the same streamed and non-streamed requests through aiohttp and httpx
-(default transport), rounds interleaved. Reports this process's CPU ms per request for each client, which is
-what the choice costs the gateway on every proxied request.
+One process, one fast local upstream, the same streamed and non-streamed requests through kvgate's own lean
+client (``gateway.http_client``, which carries the inference hot path), aiohttp (which carries everything
+else) and httpx (default transport), rounds interleaved. Reports this process's CPU ms per request for each
+client, which is what the choice costs the gateway on every proxied request.
 
     python loadtests/bench_upstream_client.py [--requests 2000 --rounds 4 --concurrency 16]
 """
@@ -22,6 +23,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gateway.http_client import Pool
 from tests.support.procs import start_mini_vllm
 
 Client = Callable[[str, bytes, bool], Awaitable[None]]
@@ -45,6 +47,13 @@ async def main_async(args: argparse.Namespace) -> str:
     headers = {"content-type": "application/json"}
     aio = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency), auto_decompress=False)
     hx = httpx.AsyncClient(limits=httpx.Limits(max_connections=args.concurrency), timeout=30)
+    pool = Pool(upstream, connect_timeout_s=5, max_connections=args.concurrency)
+    raw_headers = [(b"content-type", b"application/json")]
+
+    async def via_lean(url: str, body: bytes, stream: bool) -> None:
+        async with await pool.request("POST", "/v1/completions", raw_headers, body, 30) as resp:
+            async for _ in resp.chunks():
+                pass
 
     async def via_aiohttp(url: str, body: bytes, stream: bool) -> None:
         async with aio.post(url, data=body, headers=headers) as resp:
@@ -56,7 +65,7 @@ async def main_async(args: argparse.Namespace) -> str:
             async for _ in resp.aiter_raw():
                 pass
 
-    clients = {"aiohttp": via_aiohttp, "httpx": via_httpx}
+    clients = {"kvgate http_client": via_lean, "aiohttp": via_aiohttp, "httpx": via_httpx}
     lines = ["| mode | client | CPU ms/request (mean of rounds) | rounds |", "|---|---|---|---|"]
     try:
         for stream in (False, True):
@@ -79,6 +88,7 @@ async def main_async(args: argparse.Namespace) -> str:
     finally:
         await aio.close()
         await hx.aclose()
+        await pool.close()
         proc.stop()
     return "\n".join(lines) + "\n"
 
