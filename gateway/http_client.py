@@ -315,6 +315,7 @@ class Pool:
     async def close(self) -> None:
         for conn in self._idle:
             conn.close()
+        self._open -= len(self._idle)
         self._idle.clear()
 
     # --- internals ----------------------------------------------------------------------------------
@@ -361,6 +362,10 @@ class Pool:
             try:
                 async with asyncio.timeout_at(deadline):
                     await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken in the instant it gave up: the freed slot goes to the next in line
+                raise
             finally:
                 if waiter in self._slot_waiters:
                     self._slot_waiters.remove(waiter)
