@@ -94,7 +94,6 @@ class AdmissionController:
         self.geometry = geometry
         self.ledger = Ledger(geometry.block_size if geometry else 16)
         self.sample: UsageSample | None = None
-        self.last_admitted_projection = 0.0
         self.drain = DrainRate()
         self._geometry_pinned = geometry is not None
 
@@ -132,21 +131,20 @@ class AdmissionController:
         external = max(0, round(self.sample.usage * self.geometry.num_blocks) - ledger.in_sample_blocks)
         return external + bound
 
-    def fits(self, blocks: int, now: float) -> bool:
+    def fits(self, blocks: int, now: float) -> float | None:
+        """The projected usage (0..1) with ``blocks`` more admitted, if that may be admitted now; else None."""
         projected = self.projected_blocks(blocks, now)
         if projected is None or self.geometry is None:
-            return False
+            return None
         if self.is_stale(now):
             ok = projected <= self.config.stale_ledger_cap * self.geometry.num_blocks
         else:
             ok = self.gate.is_open and projected <= self.config.high_watermark * self.geometry.num_blocks
-        if ok:
-            self.last_admitted_projection = projected / self.geometry.num_blocks
-        return ok
+        return projected / self.geometry.num_blocks if ok else None
 
-    def _reserve(self, cost: RequestCost, tenant: str, now: float) -> Reservation:
+    def _reserve(self, cost: RequestCost, tenant: str, now: float, projected_usage: float) -> Reservation:
         res = self.ledger.reserve(cost, tenant, now)
-        res.projected_usage = self.last_admitted_projection  # what the decision saw, for the metrics
+        res.projected_usage = projected_usage  # what the decision saw, for the metrics
         return res
 
     def projected_usage(self, now: float) -> float | None:
@@ -170,8 +168,8 @@ class AdmissionController:
 
         A queued ticket may be at the head already: the caller pumps right after."""
         qclass = qclass or QueueClass()
-        if not self.queue.waiting_at_or_above(qclass.priority) and self.fits(cost.blocks, now):
-            return Admitted(self._reserve(cost, tenant, now))
+        if not self.queue.waiting_at_or_above(qclass.priority) and (usage := self.fits(cost.blocks, now)) is not None:
+            return Admitted(self._reserve(cost, tenant, now, usage))
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         ticket = Ticket(cost, tenant, enqueued_at=now, deadline=now + wait, qclass=qclass)
         pushed = self.queue.push(ticket)
@@ -184,9 +182,9 @@ class AdmissionController:
     def pump(self, now: float) -> list[tuple[Ticket, Reservation]]:
         """Admit from the head of the queue (highest class, fairest tenant) while the head fits."""
         admitted = []
-        while (head := self.queue.peek()) is not None and self.fits(head.cost.blocks, now):
+        while (head := self.queue.peek()) is not None and (usage := self.fits(head.cost.blocks, now)) is not None:
             self.queue.pop()
-            admitted.append((head, self._reserve(head.cost, head.tenant, now)))
+            admitted.append((head, self._reserve(head.cost, head.tenant, now, usage)))
         return admitted
 
     def expire(self, now: float) -> list[Ticket]:
