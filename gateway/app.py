@@ -27,6 +27,7 @@ from gateway.counting import TokenCounter, build_counter
 from gateway.disconnect import ClientDisconnected, DisconnectWatch
 from gateway.errors import GatewayError, shutting_down
 from gateway.forward import Forwarder, ResponseWriter
+from gateway.http_client import KEEPALIVE_S
 from gateway.limits import Charge, SharedLimits
 from gateway.metrics import GatewayMetrics
 from gateway.parse import Endpoint, InferenceRequest
@@ -156,9 +157,7 @@ class Gateway:
 
     async def startup(self) -> None:
         cfg = self.config
-        # Idle upstream connections are dropped before uvicorn's 5 s keep-alive timeout in vLLM closes them,
-        # which would otherwise race with the next request on the same connection.
-        connector = aiohttp.TCPConnector(limit=cfg.upstream.max_connections, keepalive_timeout=4)
+        connector = aiohttp.TCPConnector(limit=cfg.upstream.max_connections, keepalive_timeout=KEEPALIVE_S)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.forwarder = Forwarder(
             cfg.upstream.url,

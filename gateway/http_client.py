@@ -33,6 +33,9 @@ import httptools
 Headers = list[tuple[bytes, bytes]]
 
 _PAUSE_ABOVE_BYTES = 1 << 20  # buffered but not yet taken by the caller
+# Idle connections are dropped before uvicorn's 5 s keep-alive timeout in vLLM closes them, which would otherwise
+# race with the next request on the same connection.
+KEEPALIVE_S = 4.0
 
 
 class UpstreamError(Exception):
@@ -269,7 +272,7 @@ class Pool:
         *,
         connect_timeout_s: float,
         max_connections: int = 1024,
-        keepalive_s: float = 4.0,
+        keepalive_s: float = KEEPALIVE_S,
         on_retry: Callable[[], object] | None = None,
     ) -> None:
         url = urlsplit(base_url)
@@ -283,8 +286,6 @@ class Pool:
         host = url.hostname if ":" not in url.hostname else f"[{url.hostname}]"
         self._host_header = b"host: " + (host if default_port else f"{host}:{self.port}").encode("idna") + b"\r\n"
         self.connect_timeout_s = connect_timeout_s
-        # Idle connections are dropped before uvicorn's 5 s keep-alive timeout in vLLM closes them, which would
-        # otherwise race with the next request on the same connection.
         self.keepalive_s = keepalive_s
         self.max_connections = max_connections
         self._idle: list[_Connection] = []
@@ -376,17 +377,13 @@ class Pool:
             loop = asyncio.get_running_loop()
             async with asyncio.timeout_at(min(deadline, loop.time() + self.connect_timeout_s)):
                 _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.ssl)
-        except TimeoutError as exc:
-            self._open -= 1
+        except BaseException as exc:
+            self._open -= 1  # the slot taken above goes back, whatever went wrong
             self._wake_one()
-            raise ConnectFailed(f"connecting to {self.host}:{self.port} timed out") from exc
-        except OSError as exc:
-            self._open -= 1
-            self._wake_one()
-            raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
-        except BaseException:
-            self._open -= 1
-            self._wake_one()
+            if isinstance(exc, TimeoutError):
+                raise ConnectFailed(f"connecting to {self.host}:{self.port} timed out") from exc
+            if isinstance(exc, OSError):
+                raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
             raise
         return conn
 
