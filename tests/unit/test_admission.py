@@ -262,8 +262,8 @@ def test_lockstep_engine_never_exceeds_the_high_watermark(
     """An engine that behaves as continuous batching does: an admitted request prefills at once, then every
     running sequence gains one token per step and frees its blocks at its output budget. The gateway sees
     each request's tokens up to ``lag`` steps late. However requests interleave, what the engine really holds
-    never exceeds the high watermark (90 of 100 blocks), while the gateway admits more than whole
-    reservations would allow."""
+    never exceeds the high watermark (90 of 100 blocks). That lockstep admits more than whole reservations
+    would is shown by test_lockstep_admits_what_finishing_requests_will_free."""
     with patch("gateway.ledger.EXACT_LIMIT", exact_limit):
         _run_lockstep(script, exclusive)
 
@@ -274,7 +274,6 @@ def _run_lockstep(script: list[tuple[str, int, int, int]], exclusive: bool) -> N
     live: list = []  # reservations in the engine
     generated: dict[int, int] = {}  # per sequence, as the engine has it
     tickets: list = []
-    most_reserved = 0
 
     def engine_blocks() -> int:
         return sum(r.cost.blocks_after(generated[r.id] * r.cost.num_sequences, 16) for r in live)
@@ -323,7 +322,6 @@ def _run_lockstep(script: list[tuple[str, int, int, int]], exclusive: bool) -> N
             tickets.remove(t)
             admitted(res)
         assert engine_blocks() <= 90
-        most_reserved = max(most_reserved, sum(r.blocks for r in live))
     for r in live:
         c.release(r, now)
     assert c.ledger.reserved_count == c.ledger.released_count and len(c.ledger) == 0

@@ -46,19 +46,24 @@ async def closing_server() -> tuple[asyncio.Server, list[int]]:
     return server, served
 
 
-async def call(forwarder: Forwarder) -> tuple[Any, list[dict[str, Any]]]:
+async def call(forwarder: Forwarder, path: str = "inference") -> tuple[Any, list[dict[str, Any]]]:
+    """One request through the hot path (``inference``, the lean client) or ``passthrough`` (aiohttp)."""
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    usage = await forwarder.inference(
-        "/v1/completions", b'{"prompt":"x"}', [], ResponseWriter(send), [], lambda _: None
-    )
+    body = b'{"prompt":"x"}'
+    if path == "inference":
+        usage = await forwarder.inference("/v1/completions", body, [], ResponseWriter(send), [], lambda _: None)
+    else:
+        await forwarder.passthrough("POST", "/v1/completions", body, [], ResponseWriter(send))
+        usage = parse_usage(b"".join(m.get("body", b"") for m in sent[1:]))
     return usage, sent
 
 
-async def test_a_connection_reset_before_any_response_is_retried_once() -> None:
+@pytest.mark.parametrize("path", ["inference", "passthrough"])
+async def test_a_connection_reset_before_any_response_is_retried_once(path: str) -> None:
     server, served = await closing_server()
     port = server.sockets[0].getsockname()[1]
     metrics = GatewayMetrics()
@@ -67,9 +72,10 @@ async def test_a_connection_reset_before_any_response_is_retried_once() -> None:
             f"http://127.0.0.1:{port}", session, metrics, timeout_s=5, connect_timeout_s=1, api_key=None
         )
         for _ in range(3):
-            usage, sent = await call(forwarder)
+            usage, sent = await call(forwarder, path)
             assert usage is not None and usage.prompt_tokens == 3
-            assert sent[0]["status"] == 200 and sent[-1]["body"] == BODY
+            assert sent[0]["status"] == 200 and b"".join(m.get("body", b"") for m in sent[1:]) == BODY
+        await forwarder.close()
     server.close()
     assert len(served) == 3
     assert metrics.upstream_retries._value.get() == 2  # the 2nd and 3rd calls met a dead pooled connection
@@ -86,6 +92,7 @@ async def test_unreachable_engine_is_503_with_retry_after() -> None:
         )
         with pytest.raises(GatewayError) as err:
             await call(forwarder)
+        await forwarder.close()
     assert err.value.status == 503 and err.value.retry_after_s is not None
 
 
