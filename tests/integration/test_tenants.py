@@ -149,14 +149,16 @@ def test_critical_keeps_a_low_queue_wait_while_sheddable_is_shed(
         err = r.json()["error"]
         assert "queue_position" in err and "queue_eta_s" in err and "retry-after" in r.headers
     crit_waits = [r.queue_wait_s for r in crit]
-    bulk_waits = [r.queue_wait_s for r in served]
     queued_bulk = [r for r in served if "x-kvgate-queue-position" in r.headers]
     assert queued_bulk and all("x-kvgate-queue-wait-ms" in r.headers for r in queued_bulk)
+    # Sheddable requests admitted at once, before the engine filled up, say nothing about priority: compare
+    # critical traffic with the sheddable requests that had to queue.
+    bulk_waits = [r.queue_wait_s for r in queued_bulk]
     print(
         f"\n[priority] critical: {len(crit)} sent, all admitted, queue wait p50 {p(crit_waits, 0.5) * 1000:.0f} ms "
-        f"p99 {p(crit_waits, 0.99) * 1000:.0f} ms | sheddable: 150 sent, {len(served)} admitted "
-        f"(wait p50 {p(bulk_waits, 0.5) * 1000:.0f} ms, p99 {p(bulk_waits, 0.99) * 1000:.0f} ms), "
-        f"{len(shed)} shed from the queue, {len(refused)} refused at a full queue"
+        f"p99 {p(crit_waits, 0.99) * 1000:.0f} ms | sheddable: 150 sent, {len(served)} admitted, {len(queued_bulk)} "
+        f"of them after queueing (wait p50 {p(bulk_waits, 0.5) * 1000:.0f} ms, p99 {p(bulk_waits, 0.99) * 1000:.0f} "
+        f"ms), {len(shed)} shed from the queue, {len(refused)} refused at a full queue"
     )
     assert p(crit_waits, 0.99) < p(bulk_waits, 0.5)
     m = assert_ledger_empty(gw)
