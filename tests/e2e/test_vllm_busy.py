@@ -129,9 +129,10 @@ async def _sdk_burst(base_url: str, stream: bool) -> list[BaseException | int]:
 
 @pytest.mark.parametrize(("stream", "form"), [(False, "status"), (True, "sse")], ids=["plain-503", "sse-error"])
 def test_kvgate_turns_engine_busy_into_openai_503(gateway: Kvgate, stream: bool, form: str) -> None:
-    seen0 = gateway.metric("kvgate_upstream_busy_total", form=form)
+    forms = ("status", "sse")
+    seen0 = {f: gateway.metric("kvgate_upstream_busy_total", form=f) for f in forms}
     results = asyncio.run(_sdk_burst(gateway.base_url, stream))
-    seen = gateway.metric("kvgate_upstream_busy_total", form=form) - seen0
+    seen = {f: gateway.metric("kvgate_upstream_busy_total", form=f) - seen0[f] for f in forms}
 
     served = [r for r in results if isinstance(r, int)]
     rejected = [r for r in results if isinstance(r, openai.APIStatusError)]
@@ -141,6 +142,11 @@ def test_kvgate_turns_engine_busy_into_openai_503(gateway: Kvgate, stream: bool,
     assert all(tokens == MAX_TOKENS for tokens in served)
     for exc in rejected:
         _check_openai_503(exc)
-    assert seen == len(rejected), f"kvgate counted {seen} busy rejections of form {form!r}"
+    # Which form a stream's rejection takes is vLLM's timing (one run: 10 in-band, 18 plain): every rejection
+    # must be recognised in one form or the other, and this case's form must have been met.
+    assert seen["status"] + seen["sse"] == len(rejected), f"kvgate counted {seen} for {len(rejected)} rejections"
+    assert seen[form] > 0, f"no busy rejection of form {form!r} was met: {seen}"
+    if not stream:
+        assert seen["sse"] == 0, seen
     ready = gateway.readyz()
     assert ready["inflight"] == 0 and ready["queue_depth"] == 0
