@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.serve import run
+    from gateway.server.serve import run
 
     return run(args)
 

@@ -77,7 +77,9 @@ class TelemetryConfig(_Model):
     scrape_timeout_s: float = Field(1.0, gt=0)
 
 
-class LimitsConfig(_Model):
+class RequestLimitsConfig(_Model):
+    """Limits on one request from a client (the `limits:` section): body size, when to tokenize off the loop."""
+
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     offload_tokenize_chars: int = Field(
         4096, ge=0, description="Prompts longer than this are tokenized on a worker thread."
@@ -166,7 +168,7 @@ class GatewayConfig(_Model):
     model: ModelConfig = ModelConfig()
     admission: AdmissionConfig = AdmissionConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
-    limits: LimitsConfig = LimitsConfig()
+    limits: RequestLimitsConfig = RequestLimitsConfig()
     auth: AuthConfig = AuthConfig()
     tenants: list[TenantConfig] = Field(default_factory=list)
     redis: RedisConfig = RedisConfig()

@@ -1,28 +1,71 @@
-"""The gateway's own Prometheus metrics, on a registry per gateway instance (tests run several)."""
+"""The gateway's own Prometheus metrics, on a registry per gateway instance (tests run several).
+
+Counters and histograms record events where they happen. Gauges are never pushed: :class:`StateGauges` reads
+them from whoever holds the state (set as its ``source`` by the server), at scrape time.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
+# name -> (help, label names). In a sidecar vLLM listens on 127.0.0.1 only, so the engine's own load is
+# re-exported here: Prometheus can reach it through kvgate alone.
+GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kvgate_gate_open": ("1 while the hysteresis gate admits, 0 while closed", ()),
+    "kvgate_kv_usage_observed": ("KV cache usage (0..1) in the latest upstream sample", ()),
+    "kvgate_kv_usage_projected": ("Projected KV usage (0..1): sample plus what the ledger adds", ()),
+    "kvgate_reserved_blocks": ("KV blocks reserved by in-flight requests", ()),
+    "kvgate_inflight_requests": ("Requests admitted and not yet finished", ()),
+    "kvgate_queue_depth": ("Requests waiting for admission", ()),
+    "kvgate_tenant_queue_depth": ("Requests waiting for admission, per tenant", ("tenant",)),
+    "kvgate_upstream_metrics_age_seconds": ("Age of the latest good upstream sample", ()),
+    "kvgate_upstream_requests_running": ("vllm:num_requests_running in the latest sample", ()),
+    "kvgate_upstream_requests_waiting": ("vllm:num_requests_waiting in the latest sample", ()),
+    "kvgate_ready": ("1 when the upstream is reachable and its metrics fresh", ()),
+    "kvgate_redis_up": ("1 while the shared limit store answers", ()),
+    "kvgate_limits_degraded": (
+        "1 while limits are enforced per replica (Redis down, on_failure: open) or refused (closed)",
+        (),
+    ),
+    "kvgate_policy_version": ("Reloads applied since start, plus one", ()),
+}
+
+Reading = tuple[str, tuple[str, ...], float]  # gauge name, label values, value
+
+
+class StateGauges(Collector):
+    """The gauges of :data:`GAUGES`, each read from ``source`` when Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[Reading]] = lambda: ()
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families().values())
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = self._families()
+        for name, labels, value in self.source():
+            families[name].add_metric(list(labels), value)
+        return iter(families.values())
+
+    @staticmethod
+    def _families() -> dict[str, GaugeMetricFamily]:
+        return {name: GaugeMetricFamily(name, doc, labels=list(labels)) for name, (doc, labels) in GAUGES.items()}
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.gate_open = Gauge("kvgate_gate_open", "1 while the hysteresis gate admits, 0 while closed", registry=r)
-        self.kv_usage_observed = Gauge(
-            "kvgate_kv_usage_observed", "KV cache usage (0..1) in the latest upstream sample", registry=r
-        )
-        self.kv_usage_projected = Gauge(
-            "kvgate_kv_usage_projected",
-            "Projected KV usage (0..1): sample plus what the ledger adds",
-            registry=r,
-        )
-        self.reserved_blocks = Gauge("kvgate_reserved_blocks", "KV blocks reserved by in-flight requests", registry=r)
-        self.inflight = Gauge("kvgate_inflight_requests", "Requests admitted and not yet finished", registry=r)
-        self.queue_depth = Gauge("kvgate_queue_depth", "Requests waiting for admission", registry=r)
+        self.gauges = StateGauges()
+        r.register(self.gauges)
         self.queue_wait = Histogram(
             "kvgate_queue_wait_seconds",
             "Time from arrival to admission",
@@ -77,21 +120,9 @@ class GatewayMetrics:
             registry=r,
         )
         self.scrape_errors = Counter("kvgate_scrape_errors", "Failed scrapes of the upstream /metrics", registry=r)
-        self.metrics_age = Gauge(
-            "kvgate_upstream_metrics_age_seconds", "Age of the latest good upstream sample", registry=r
-        )
-        # The engine's own load, re-exported: in a sidecar vLLM listens on 127.0.0.1 only, so Prometheus
-        # can reach these through kvgate alone.
-        self.upstream_running = Gauge(
-            "kvgate_upstream_requests_running", "vllm:num_requests_running in the latest sample", registry=r
-        )
-        self.upstream_waiting = Gauge(
-            "kvgate_upstream_requests_waiting", "vllm:num_requests_waiting in the latest sample", registry=r
-        )
         self.upstream_preemptions = Counter(
             "kvgate_upstream_preemptions", "Preemptions the engine reported (vllm:num_preemptions_total)", registry=r
         )
-        self.ready = Gauge("kvgate_ready", "1 when the upstream is reachable and its metrics fresh", registry=r)
         self.loop_lag = Histogram(
             "kvgate_event_loop_lag_seconds",
             "How late the event loop ran a timer",
@@ -109,9 +140,6 @@ class GatewayMetrics:
         )
 
         # --- tenants, priorities, shared limits, policy reloads ---
-        self.tenant_queue_depth = Gauge(
-            "kvgate_tenant_queue_depth", "Requests waiting for admission, per tenant", ["tenant"], registry=r
-        )
         self.tenant_admitted_tokens = Counter(
             "kvgate_tenant_admitted_tokens",
             "Tokens (prompt + reserved output) admitted, by tenant and priority class",
@@ -131,21 +159,14 @@ class GatewayMetrics:
             ["priority"],
             registry=r,
         )
-        self.redis_up = Gauge("kvgate_redis_up", "1 while the shared limit store answers", registry=r)
         self.redis_errors = Counter(
             "kvgate_redis_errors",
             "Redis calls that failed or took longer than redis.timeout_s (the request fell back or was refused)",
             registry=r,
         )
-        self.limits_degraded = Gauge(
-            "kvgate_limits_degraded",
-            "1 while limits are enforced per replica (Redis down, on_failure: open) or refused (closed)",
-            registry=r,
-        )
         self.policy_reloads = Counter(
             "kvgate_policy_reloads", "Config reloads, by result (applied, rejected)", ["result"], registry=r
         )
-        self.policy_version = Gauge("kvgate_policy_version", "Reloads applied since start, plus one", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from gateway.sim.config import PRESETS, SimConfig, preset
 from gateway.sim.server import SimServer
-from gateway.tokenizer import load_tokenizer
+from gateway.tokens.tokenizers import load_tokenizer
 
 log = logging.getLogger("kvgate.sim")
 

@@ -38,7 +38,7 @@ from gateway.sim.blocks import blocks_for
 from gateway.sim.config import GIB, SimConfig
 from gateway.sim.engine import Engine, SimRequest, Step, TokenEvent
 from gateway.sim.metrics import SimMetrics
-from gateway.tokenizer import LocalTokenizer
+from gateway.tokens.tokenizers import LocalTokenizer
 
 log = logging.getLogger("kvgate.sim")
 

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gateway.admission import AdmissionController, Admitted, Queued, Rejected, UsageSample
+from gateway.admission.controller import AdmissionController, Admitted, Queued, Rejected, UsageSample
+from gateway.admission.ledger import ENGINE_LEAD_TOKENS
 from gateway.config import AdmissionConfig
-from gateway.cost import KvGeometry, RequestCost
-from gateway.ledger import ENGINE_LEAD_TOKENS
+from gateway.tokens.cost import KvGeometry, RequestCost
 
 GEO = KvGeometry(block_size=16, num_blocks=100)
 
@@ -264,7 +264,7 @@ def test_lockstep_engine_never_exceeds_the_high_watermark(
     each request's tokens up to ``lag`` steps late. However requests interleave, what the engine really holds
     never exceeds the high watermark (90 of 100 blocks). That lockstep admits more than whole reservations
     would is shown by test_lockstep_admits_what_finishing_requests_will_free."""
-    with patch("gateway.ledger.EXACT_LIMIT", exact_limit):
+    with patch("gateway.admission.ledger.EXACT_LIMIT", exact_limit):
         _run_lockstep(script, exclusive)
 
 

@@ -1,4 +1,5 @@
-"""The asyncio shell: queued waiters, cancellation races and deadlines never leak a reservation."""
+"""The asyncio shell and the request's exchange: queued waiters, cancellation races, failures and deadlines
+never leak a reservation, and never release one twice."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission import AdmissionController, UsageSample
-from gateway.admitter import Admitter
-from gateway.config import AdmissionConfig
-from gateway.cost import KvGeometry, RequestCost
-from gateway.errors import GatewayError
+from gateway.admission.admitter import Admitter
+from gateway.admission.controller import AdmissionController, UsageSample
+from gateway.admission.queue import QueueClass
+from gateway.config import AdmissionConfig, RedisConfig
 from gateway.metrics import GatewayMetrics
+from gateway.protocol.errors import GatewayError
+from gateway.server.exchange import Exchange
+from gateway.server.response import ResponseWriter
+from gateway.tenants.counters import TenantCounters
+from gateway.tenants.policy import TenantPolicy
+from gateway.tenants.ratelimit import RateLimits
+from gateway.tokens.cost import KvGeometry, RequestCost
 
 
 class Clock:
@@ -28,9 +35,25 @@ def make(**cfg: object) -> tuple[Admitter, Clock]:
     clock = Clock()
     controller = AdmissionController(AdmissionConfig(**cfg), KvGeometry(16, 100))  # type: ignore[arg-type]
     admitter = Admitter(controller, GatewayMetrics(), clock)
-    admitter.begin_sample()
-    admitter.on_sample(UsageSample(0.0, 0.0))
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.0, 0.0))
     return admitter, clock
+
+
+async def _unused_send(message: object) -> None:
+    raise AssertionError("nothing is written to the client here")
+
+
+def exchange(admitter: Admitter) -> Exchange:
+    return Exchange("req", ResponseWriter(_unused_send), admitter=admitter, counters=COUNTERS, metrics=admitter.metrics)
+
+
+def tenant(admitter: Admitter) -> TenantPolicy:
+    wait = admitter.controller.config.queue_max_wait_s
+    return TenantPolicy("t", "t", RateLimits(), None, wait, QueueClass())
+
+
+COUNTERS = TenantCounters(RedisConfig(), GatewayMetrics())
 
 
 def rc(blocks: int) -> RequestCost:
@@ -38,10 +61,13 @@ def rc(blocks: int) -> RequestCost:
 
 
 async def hold(admitter: Admitter, blocks: int, release: asyncio.Event, fail: bool = False) -> str:
-    async with admitter.reserve(rc(blocks), "t") as admission:
+    """One request as the request path runs it: charge, admit (or queue), 'stream' until ``release``."""
+    async with exchange(admitter) as ex:
+        await ex.charge_rate_limits(tenant(admitter), rc(blocks))
+        await ex.admit()
+        ex.sending()
         await release.wait()
         if fail:
-            admission.outcome = "upstream_error"
             raise RuntimeError("upstream broke")
     return "done"
 
@@ -125,8 +151,8 @@ def test_no_reservation_is_left_behind(script: list[tuple[str, int]]) -> None:
                 clock.now += 0.3 + arg / 100
                 admitter._expire()
             elif op == "sample":
-                admitter.begin_sample()
-                admitter.on_sample(UsageSample(arg / 100, clock.now))
+                admitter.scrape_started()
+                admitter.sample(UsageSample(arg / 100, clock.now))
             await asyncio.sleep(0)
         for _, event, _ in tasks:
             event.set()
@@ -142,8 +168,40 @@ def test_no_reservation_is_left_behind(script: list[tuple[str, int]]) -> None:
 
 
 async def _hold_flag(admitter: Admitter, blocks: int, release: asyncio.Event, fail: list[bool]) -> str:
-    async with admitter.reserve(rc(blocks), "t"):
+    async with exchange(admitter) as ex:
+        await ex.charge_rate_limits(tenant(admitter), rc(blocks))
+        await ex.admit()
         await release.wait()
         if fail[0]:
             raise RuntimeError("upstream broke")
     return "done"
+
+
+async def test_the_exchange_releases_once_and_names_how_the_request_ended() -> None:
+    admitter, _ = make()
+    ledger = admitter.controller.ledger
+    released = admitter.metrics.released
+    ex = exchange(admitter)
+    await ex.charge_rate_limits(tenant(admitter), rc(10))
+    await ex.admit()
+    assert len(ledger) == 1
+    ex.sending()
+    busy = GatewayError(503, "busy", code="engine_busy")
+    ex.close(busy)
+    ex.close(None)  # a second close changes nothing
+    assert ex.outcome == "upstream_busy" and len(ledger) == 0
+    assert ledger.reserved_count == ledger.released_count == 1
+    assert released.labels("upstream_busy")._value.get() == 1 and released.labels("completed")._value.get() == 0
+    for exc, outcome in [
+        (None, "completed"),
+        (asyncio.CancelledError(), "client_disconnect"),
+        (GatewayError(502, "gone", code="upstream_disconnected"), "upstream_error"),
+        (RuntimeError("bug"), "error"),
+    ]:
+        ex = exchange(admitter)
+        await ex.charge_rate_limits(tenant(admitter), rc(5))
+        await ex.admit()
+        ex.sending()
+        ex.close(exc)
+        assert ex.outcome == outcome and released.labels(outcome)._value.get() >= 1
+    assert len(ledger) == 0 and ledger.reserved_count == ledger.released_count == 5

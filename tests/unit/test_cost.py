@@ -2,8 +2,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.cost import KvGeometry, blocks_for, estimate_cost
-from gateway.errors import GatewayError
+from gateway.protocol.errors import GatewayError
+from gateway.tokens.cost import KvGeometry, blocks_for, estimate_cost
 
 GEO = KvGeometry(block_size=16, num_blocks=1000)
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 
-from gateway.errors import GatewayError
-from gateway.forward import Forwarder, ResponseWriter, is_engine_busy, parse_usage
 from gateway.metrics import GatewayMetrics
+from gateway.protocol.errors import GatewayError
+from gateway.server.response import ResponseWriter
+from gateway.upstream.forwarder import Forwarder, is_engine_busy, parse_usage
+from gateway.upstream.session import UpstreamSession
 
 BODY = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
 
@@ -67,15 +68,14 @@ async def test_a_connection_reset_before_any_response_is_retried_once(path: str)
     server, served = await closing_server()
     port = server.sockets[0].getsockname()[1]
     metrics = GatewayMetrics()
-    async with aiohttp.ClientSession() as session:
-        forwarder = Forwarder(
-            f"http://127.0.0.1:{port}", session, metrics, timeout_s=5, connect_timeout_s=1, api_key=None
-        )
-        for _ in range(3):
-            usage, sent = await call(forwarder, path)
-            assert usage is not None and usage.prompt_tokens == 3
-            assert sent[0]["status"] == 200 and b"".join(m.get("body", b"") for m in sent[1:]) == BODY
-        await forwarder.close()
+    session = UpstreamSession(8)
+    forwarder = Forwarder(f"http://127.0.0.1:{port}", session, metrics, timeout_s=5, connect_timeout_s=1)
+    for _ in range(3):
+        usage, sent = await call(forwarder, path)
+        assert usage is not None and usage.prompt_tokens == 3
+        assert sent[0]["status"] == 200 and b"".join(m.get("body", b"") for m in sent[1:]) == BODY
+    await forwarder.close()
+    await session.close()
     server.close()
     assert len(served) == 3
     assert metrics.upstream_retries._value.get() == 2  # the 2nd and 3rd calls met a dead pooled connection
@@ -86,13 +86,12 @@ async def test_unreachable_engine_is_503_with_retry_after() -> None:
     port = server.sockets[0].getsockname()[1]
     server.close()
     await server.wait_closed()
-    async with aiohttp.ClientSession() as session:
-        forwarder = Forwarder(
-            f"http://127.0.0.1:{port}", session, GatewayMetrics(), timeout_s=5, connect_timeout_s=1, api_key=None
-        )
-        with pytest.raises(GatewayError) as err:
-            await call(forwarder)
-        await forwarder.close()
+    session = UpstreamSession(8)
+    forwarder = Forwarder(f"http://127.0.0.1:{port}", session, GatewayMetrics(), timeout_s=5, connect_timeout_s=1)
+    with pytest.raises(GatewayError) as err:
+        await call(forwarder)
+    await forwarder.close()
+    await session.close()
     assert err.value.status == 503 and err.value.retry_after_s is not None
 
 

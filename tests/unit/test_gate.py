@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.gate import HysteresisGate
+from gateway.admission.gate import HysteresisGate
 
 usages = st.lists(st.floats(min_value=0, max_value=1, allow_nan=False), max_size=200)
 

@@ -1,4 +1,4 @@
-"""The lean upstream client (gateway.http_client) against real socket servers on 127.0.0.1, no mocks."""
+"""The lean upstream client (gateway.upstream.http_client) against real socket servers on 127.0.0.1, no mocks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from types import TracebackType
 
 import pytest
 
-from gateway.http_client import _PAUSE_ABOVE_BYTES, ConnectFailed, Disconnected, Pool
+from gateway.upstream.http_client import _PAUSE_ABOVE_BYTES, ConnectFailed, Disconnected, Pool
 
 TIMEOUT_S = 10.0  # deadline of requests that should succeed: a hang fails the test instead of blocking it
 WAIT_S = 5.0  # how long a test waits for something the server should observe

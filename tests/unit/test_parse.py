@@ -1,8 +1,8 @@
 import orjson
 import pytest
 
-from gateway.errors import GatewayError
-from gateway.parse import parse_request
+from gateway.protocol.errors import GatewayError
+from gateway.protocol.requests import parse_request
 
 
 def parse(endpoint: str, body: object):
@@ -22,7 +22,7 @@ def test_chat_fields() -> None:
             "stream_options": {"include_usage": True},
         },
     )
-    assert (r.model, r.sequences_per_prompt, r.max_tokens, r.stream, r.include_usage) == ("m", 2, 7, True, True)
+    assert (r.model, r.sequences_per_prompt, r.max_tokens) == ("m", 2, 7)
 
 
 def test_completion_prompt_forms() -> None:
@@ -47,6 +47,12 @@ def test_completion_prompt_forms() -> None:
         ("completions", {"prompt": "a", "n": True}, "n"),
         ("completions", {"prompt": "a", "n": 3, "best_of": 2}, "best_of"),
         ("completions", {"prompt": "a", "stream": "yes"}, "stream"),
+        ("completions", {"prompt": "a", "stream_options": []}, "stream_options"),
+        (
+            "chat",
+            {"messages": [{"role": "user"}], "stream_options": {"include_usage": "maybe"}},
+            "stream_options.include_usage",
+        ),
         ("completions", {"prompt": "a", "model": 3}, "model"),
     ],
 )

@@ -11,19 +11,20 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.admission import AdmissionController, Admitted, Queued, UsageSample
-from gateway.auth import key_digest
+from gateway.admission.controller import AdmissionController, Admitted, Queued, UsageSample
+from gateway.admission.queue import QueueClass
 from gateway.config import ConfigError, RedisConfig, parse_config
-from gateway.cost import KvGeometry, RequestCost
-from gateway.errors import GatewayError
-from gateway.limits import SharedLimits
 from gateway.metrics import GatewayMetrics
-from gateway.policy import Policy
-from gateway.queue import QueueClass
-from gateway.ratelimit import Limits, RateLimiter, TokenBucket
-from gateway.reload import ConfigWatcher
+from gateway.protocol.errors import GatewayError
 from gateway.schema import render
-from gateway.slots import SlotTable
+from gateway.tenants.auth import key_digest
+from gateway.tenants.counters import TenantCounters
+from gateway.tenants.policy import Policy
+from gateway.tenants.ratelimit import RateLimiter, RateLimits, TokenBucket
+from gateway.tenants.reload import ConfigWatcher
+from gateway.tenants.slots import SlotTable
+from gateway.tokens.cost import KvGeometry, RequestCost
+from tests.support.tenant_slots import held_slot
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,18 +53,29 @@ tenants:
 
 def test_policy_resolves_tenants_and_model_overrides() -> None:
     cfg = parse_config(POLICY_YAML)
-    policy = Policy(cfg.auth, cfg.tenants)
+    policy = Policy(cfg.auth, cfg.tenants, cfg.admission.queue_max_wait_s)
     assert policy.authenticate(b"Bearer sk-a2") == "team-a"
     assert policy.authenticate(None) == "anon"
     a = policy.resolve("team-a", "small")
-    assert (a.key, a.limits, a.max_concurrent, a.max_queue_wait_s) == ("team-a", Limits(None, 1000), 4, 5.0)
-    assert a.qclass == QueueClass(priority=0, weight=2.0, max_queued=8) and a.priority_name == "critical"
+    assert (a.key, a.rates, a.max_concurrent, a.wait_budget_s) == ("team-a", RateLimits(None, 1000), 4, 5.0)
+    assert a.qclass == QueueClass(priority=0, weight=2.0, max_queued=8)
     big = policy.resolve("team-a", "big")
-    assert (big.key, big.limits, big.max_concurrent, big.qclass.weight) == ("team-a/big", Limits(None, 100), 1, 2.0)
+    assert (big.key, big.rates, big.max_concurrent, big.qclass.weight) == ("team-a/big", RateLimits(None, 100), 1, 2.0)
     anon = policy.resolve("anon", None)
-    assert anon.qclass.priority == 2 and anon.limits == Limits(10, None) and anon.shared
+    assert anon.qclass.priority == 2 and anon.rates == RateLimits(10, None)
+    assert anon.wait_budget_s == cfg.admission.queue_max_wait_s  # no max_queue_wait_s of its own: the config's
     unknown = policy.resolve("nobody", None)
-    assert unknown.qclass == QueueClass() and not unknown.shared
+    assert unknown.qclass == QueueClass() and not unknown.rates.any and unknown.max_concurrent is None
+
+
+def test_policy_cache_is_bounded_by_the_config_not_by_model_names() -> None:
+    """A client's ``model`` string never becomes a cache key unless the tenant overrides that model."""
+    cfg = parse_config(POLICY_YAML)
+    policy = Policy(cfg.auth, cfg.tenants, cfg.admission.queue_max_wait_s)
+    for i in range(500):
+        assert policy.resolve("team-a", f"model-{i}" * 50).key == "team-a"
+    assert policy.resolve("team-a", "big").key == "team-a/big"
+    assert len(policy._cache) == 2
 
 
 def test_config_errors_point_at_the_tenant() -> None:
@@ -96,7 +108,7 @@ def test_published_schema_is_current_and_validates_the_examples() -> None:
 
 @given(st.integers(1, 10**6), st.integers(1, 16))
 def test_degraded_share_never_rounds_to_zero_and_covers_the_limit(limit: int, replicas: int) -> None:
-    share = Limits(limit, limit).scaled(replicas)
+    share = RateLimits(limit, limit).scaled(replicas)
     assert share.requests_per_minute is not None and share.requests_per_minute >= 1
     assert limit <= share.requests_per_minute * replicas < limit + replicas
 
@@ -107,10 +119,10 @@ def test_reloaded_limit_keeps_what_was_used() -> None:
     b.resize(50, 0.0)
     assert b.available(0.0) == 20 and b.wait_for(21, 0.0) > 0
     rl = RateLimiter()
-    assert rl.check("k", 0, 0.0, Limits(2, None)).allowed
-    assert rl.check("k", 0, 0.0, Limits(2, None)).allowed
-    assert not rl.check("k", 0, 0.0, Limits(2, None)).allowed
-    assert rl.check("k", 0, 0.0, Limits(None, None)).allowed  # limit removed by a reload
+    assert rl.check("k", 0, 0.0, RateLimits(2, None)).allowed
+    assert rl.check("k", 0, 0.0, RateLimits(2, None)).allowed
+    assert not rl.check("k", 0, 0.0, RateLimits(2, None)).allowed
+    assert rl.check("k", 0, 0.0, RateLimits(None, None)).allowed  # limit removed by a reload
 
 
 def test_slot_released_exactly_once() -> None:
@@ -140,13 +152,15 @@ def test_critical_is_admitted_past_waiting_sheddable_and_pumped_first() -> None:
 
 async def test_local_slots_wait_in_fifo_order_and_bound_the_queue() -> None:
     cfg = parse_config(POLICY_YAML)
-    tp = Policy(cfg.auth, cfg.tenants).resolve("team-a", "big")  # max_concurrent 1, max_queued 8
-    limits = SharedLimits(RedisConfig(), GatewayMetrics())
+    tp = Policy(cfg.auth, cfg.tenants, cfg.admission.queue_max_wait_s).resolve(
+        "team-a", "big"
+    )  # max_concurrent 1, max_queued 8
+    limits = TenantCounters(RedisConfig(), GatewayMetrics())
     order: list[int] = []
     gate = asyncio.Event()
 
     async def one(i: int) -> None:
-        async with limits.slot(tp, 10.0):
+        async with held_slot(limits, tp, 10.0):
             order.append(i)
             await gate.wait()
 
@@ -155,7 +169,7 @@ async def test_local_slots_wait_in_fifo_order_and_bound_the_queue() -> None:
     assert order == [0] and limits.slots.held("team-a/big") == 1
     # the tenant's queue bound counts the admission queue too
     with pytest.raises(GatewayError) as err:
-        async with limits.slot(tp, 10.0, queued_elsewhere=lambda: 4):
+        async with held_slot(limits, tp, 10.0, lambda: 4):
             pass
     assert err.value.status == 429 and err.value.code == "tenant_queue_full"
     gate.set()
@@ -165,20 +179,20 @@ async def test_local_slots_wait_in_fifo_order_and_bound_the_queue() -> None:
 
 async def test_slot_wait_times_out_and_a_cancelled_waiter_leaves_the_line() -> None:
     cfg = parse_config(POLICY_YAML)
-    tp = Policy(cfg.auth, cfg.tenants).resolve("team-a", "big")
-    limits = SharedLimits(RedisConfig(), GatewayMetrics())
-    async with limits.slot(tp, 1.0):
+    tp = Policy(cfg.auth, cfg.tenants, cfg.admission.queue_max_wait_s).resolve("team-a", "big")
+    limits = TenantCounters(RedisConfig(), GatewayMetrics())
+    async with held_slot(limits, tp, 1.0):
         with pytest.raises(GatewayError) as err:
-            async with limits.slot(tp, 0.01):
+            async with held_slot(limits, tp, 0.01):
                 pass
         assert err.value.status == 503 and err.value.extra["waiting_for"] == "concurrency_slot"
-        waiter = asyncio.create_task(limits.slot(tp, 10.0).__aenter__())
+        waiter = asyncio.create_task(limits.acquire_slot(tp, 10.0))
         await asyncio.sleep(0.01)
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
     assert limits.slots.held("team-a/big") == 0 and not limits._waiters
-    async with limits.slot(tp, 0.01):
+    async with held_slot(limits, tp, 0.01):
         pass
 
 

@@ -7,8 +7,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.cost import RequestCost
-from gateway.queue import AdmissionQueue, Pushed, QueueClass, Refused, Ticket
+from gateway.admission.queue import AdmissionQueue, Pushed, QueueClass, Refused, Ticket
+from gateway.tokens.cost import RequestCost
 
 
 def ticket(tenant: str, tokens: int, priority: int = 1, weight: float = 1.0, max_queued: int | None = None) -> Ticket:

@@ -4,38 +4,37 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.auth import TenantDirectory, key_digest
 from gateway.config import AuthConfig, TenantConfig
-from gateway.errors import GatewayError
-from gateway.ratelimit import RateLimiter, TokenBucket, ratelimit_headers
+from gateway.protocol.errors import GatewayError
+from gateway.tenants.auth import TenantDirectory, key_digest
+from gateway.tenants.ratelimit import RateLimiter, RateLimits, TokenBucket, ratelimit_headers
 
 
 def test_requests_per_minute() -> None:
-    rl = RateLimiter([TenantConfig(name="a", requests_per_minute=2)])
-    assert rl.check("a", 10, 0.0).allowed and rl.check("a", 10, 0.0).allowed
-    third = rl.check("a", 10, 0.0)
+    rl, a = RateLimiter(), RateLimits(requests_per_minute=2)
+    assert rl.check("a", 10, 0.0, a).allowed and rl.check("a", 10, 0.0, a).allowed
+    third = rl.check("a", 10, 0.0, a)
     assert not third.allowed and third.exceeded == "requests" and third.retry_after_s == pytest.approx(30.0)
-    assert rl.check("a", 10, 30.0).allowed
-    assert rl.check("unlimited", 10**9, 0.0).allowed
+    assert rl.check("a", 10, 30.0, a).allowed
+    assert rl.check("unlimited", 10**9, 0.0, RateLimits()).allowed
 
 
 def test_tokens_are_refunded_on_settle() -> None:
-    rl = RateLimiter([TenantConfig(name="a", tokens_per_minute=1000)])
-    assert rl.check("a", 800, 0.0).allowed
-    assert not rl.check("a", 800, 0.0).allowed
+    rl, a = RateLimiter(), RateLimits(tokens_per_minute=1000)
+    assert rl.check("a", 800, 0.0, a).allowed
+    assert not rl.check("a", 800, 0.0, a).allowed
     rl.settle("a", charged=800, actual=100, now=0.0)
-    assert rl.check("a", 800, 0.0).allowed
+    assert rl.check("a", 800, 0.0, a).allowed
 
 
 def test_never_fits() -> None:
-    rl = RateLimiter([TenantConfig(name="a", tokens_per_minute=100)])
-    d = rl.check("a", 101, 0.0)
+    d = RateLimiter().check("a", 101, 0.0, RateLimits(tokens_per_minute=100))
     assert not d.allowed and math.isinf(d.retry_after_s)
 
 
 def test_headers() -> None:
-    rl = RateLimiter([TenantConfig(name="a", requests_per_minute=10, tokens_per_minute=100)])
-    headers = dict(ratelimit_headers(rl.check("a", 40, 0.0)))
+    decision = RateLimiter().check("a", 40, 0.0, RateLimits(requests_per_minute=10, tokens_per_minute=100))
+    headers = dict(ratelimit_headers(decision))
     assert headers[b"x-ratelimit-limit-requests"] == b"10"
     assert headers[b"x-ratelimit-remaining-requests"] == b"9"
     assert headers[b"x-ratelimit-remaining-tokens"] == b"60"

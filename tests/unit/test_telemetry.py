@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cost import KvGeometry
-from gateway.telemetry import MetricsFormatError, filter_text, parse_engine_metrics
+from gateway.tokens.cost import KvGeometry
+from gateway.upstream.engine_metrics import MetricsFormatError, filter_text, parse_engine_metrics
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

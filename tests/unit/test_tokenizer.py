@@ -11,9 +11,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from gateway.counting import TokenCounter
-from gateway.parse import parse_request
-from gateway.tokenizer import HFTokenizer, TiktokenTokenizer, TokenizerUnavailable, load_tokenizer
+from gateway.protocol.requests import parse_request
+from gateway.tokens.counting import TokenCounter
+from gateway.tokens.tokenizers import HFTokenizer, TiktokenTokenizer, TokenizerUnavailable, load_tokenizer
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"

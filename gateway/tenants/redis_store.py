@@ -22,13 +22,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.config import RedisConfig
-from gateway.ratelimit import Limits, LimitState, RateDecision
+from gateway.tenants.ratelimit import LimitState, RateDecision, RateLimits
 
 log = logging.getLogger("kvgate.redis")
 
 T = TypeVar("T")
 
-# A token bucket per key, the same arithmetic as gateway.ratelimit.TokenBucket: capacity per 60 s.
+# A token bucket per key, the same arithmetic as gateway.tenants.ratelimit.TokenBucket: capacity per 60 s.
 # ARGV: rpm (0 = unlimited), tpm (0 = unlimited), tokens to charge.
 # Returns {allowed, requests left, tokens left, request wait s, token wait s (-1 = never fits)}.
 _CHECK = """
@@ -221,7 +221,7 @@ class RedisState:
 
     # --- rate limits --------------------------------------------------------------------------------
 
-    async def check(self, key: str, limits: Limits, tokens: int) -> RateDecision:
+    async def check(self, key: str, limits: RateLimits, tokens: int) -> RateDecision:
         rpm, tpm = limits.requests_per_minute or 0, limits.tokens_per_minute or 0
         out: list[Any] = await self._call(lambda: self._check(keys=[self.key("rl", key)], args=[rpm, tpm, tokens]))
         allowed = int(out[0]) == 1
@@ -236,7 +236,7 @@ class RedisState:
             exceeded,
         )
 
-    async def refund(self, key: str, limits: Limits, amount: int) -> None:
+    async def refund(self, key: str, limits: RateLimits, amount: int) -> None:
         tpm = limits.tokens_per_minute
         if tpm and amount > 0:
             await self._call(lambda: self._refund(keys=[self.key("rl", key)], args=[tpm, amount]))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.cost import KvGeometry
+from gateway.tokens.cost import KvGeometry
 
 USAGE_METRIC = "vllm:kv_cache_usage_perc"
 LEGACY_USAGE_METRIC = "vllm:gpu_cache_usage_perc"  # removed in vLLM 0.12

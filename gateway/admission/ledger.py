@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.cost import RequestCost
+from gateway.tokens.cost import RequestCost
 
 ENGINE_LEAD_TOKENS = 8  # how far a decoding sequence may be ahead of the tokens the gateway has relayed
 EXACT_LIMIT = 64  # decoding requests up to which the peak is computed exactly

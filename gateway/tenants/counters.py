@@ -1,7 +1,7 @@
 """Where a tenant's counters live: in-process, or in Redis shared by every replica, with the fallback.
 
-* No ``redis.url``: token buckets and concurrency slots in this process (:mod:`gateway.ratelimit`,
-  :mod:`gateway.slots`).
+* No ``redis.url``: token buckets and concurrency slots in this process (:mod:`gateway.tenants.ratelimit`,
+  :mod:`gateway.tenants.slots`).
 * ``redis.url`` set and Redis answering: the same counters in Redis, changed by Lua scripts.
 * Redis down: ``on_failure: open`` counts locally with each limit divided by ``replicas`` (reported as
   degraded), ``closed`` refuses tenants that have limits with 503 until Redis answers again.
@@ -20,17 +20,17 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import RedisConfig
-from gateway.errors import GatewayError, queue_timeout
 from gateway.metrics import GatewayMetrics
-from gateway.policy import TenantPolicy
-from gateway.ratelimit import Limits, RateDecision, RateLimiter, ratelimit_headers
-from gateway.redis_state import RedisState, RedisUnavailable
-from gateway.slots import Slot, SlotTable
+from gateway.protocol.errors import GatewayError, queue_timeout
+from gateway.tenants.policy import TenantPolicy
+from gateway.tenants.ratelimit import RateDecision, RateLimiter, RateLimits, ratelimit_headers
+from gateway.tenants.redis_store import RedisState, RedisUnavailable
+from gateway.tenants.slots import Slot, SlotTable
 
 log = logging.getLogger("kvgate.limits")
 
@@ -42,27 +42,27 @@ class Charge:
     """What a request was charged, and where, so the refund goes back to the same counter."""
 
     key: str
-    limits: Limits
+    rates: RateLimits
     tokens: int
     backend: str  # "local" | "redis" | "none"
     decision: RateDecision
 
 
-class SharedLimits:
+class TenantCounters:
+    """A tenant's rate-limit buckets and concurrency slots, in-process or shared through Redis."""
+
     def __init__(self, cfg: RedisConfig, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.clock = clock
         self.local = RateLimiter()
         self.slots = SlotTable()
-        self.redis = RedisState(cfg, self._on_health, metrics.redis_errors.inc) if cfg.url else None
+        self.redis = RedisState(cfg, on_error=metrics.redis_errors.inc) if cfg.url else None
         self._waiters: dict[str, deque[asyncio.Event]] = {}
         self._redis_held: dict[str, tuple[str, str]] = {}
         self._members = itertools.count(1)
         self._background: set[asyncio.Task[Any]] = set()
         self._renewer: asyncio.Task[None] | None = None
-        metrics.redis_up.set(0)
-        metrics.limits_degraded.set(0)
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -70,7 +70,6 @@ class SharedLimits:
         if self.redis is None:
             return
         await self.redis.start()
-        self._on_health(self.redis.healthy)
         self._renewer = asyncio.create_task(self._renew_leases(), name="kvgate-slot-leases")
 
     async def close(self) -> None:
@@ -82,10 +81,6 @@ class SharedLimits:
             await asyncio.wait(self._background, timeout=self.cfg.timeout_s * 4)
         if self.redis is not None:
             await self.redis.close()
-
-    def _on_health(self, up: bool) -> None:
-        self.metrics.redis_up.set(1 if up else 0)
-        self.metrics.limits_degraded.set(0 if up else 1)
 
     @property
     def degraded(self) -> bool:
@@ -107,22 +102,21 @@ class SharedLimits:
     async def check(self, tp: TenantPolicy, tokens: int) -> Charge:
         """Charge one request and ``tokens`` against the tenant's per-minute limits, or raise 429 (or 503
         when Redis is down and ``on_failure: closed``)."""
-        if not tp.limits.any:
-            return Charge(tp.key, tp.limits, tokens, "none", _UNLIMITED)
+        if not tp.rates.any:
+            return Charge(tp.key, tp.rates, tokens, "none", _UNLIMITED)
         charge: Charge | None = None
         if self.redis is not None and self.redis.healthy:
             with contextlib.suppress(RedisUnavailable):
-                decision = await self.redis.check(tp.key, tp.limits, tokens)
-                charge = Charge(tp.key, tp.limits, tokens, "redis", decision)
+                decision = await self.redis.check(tp.key, tp.rates, tokens)
+                charge = Charge(tp.key, tp.rates, tokens, "redis", decision)
         if charge is None:
-            limits = tp.limits
+            rates = tp.rates
             if self.redis is not None:
                 self._refuse_if_closed(tp)
-                limits = limits.scaled(self.cfg.replicas)
-            charge = Charge(tp.key, limits, tokens, "local", self.local.check(tp.key, tokens, self.clock(), limits))
+                rates = rates.scaled(self.cfg.replicas)
+            charge = Charge(tp.key, rates, tokens, "local", self.local.check(tp.key, tokens, self.clock(), rates))
         decision = charge.decision
         if not decision.allowed:
-            self.metrics.rejected.labels("rate_limited").inc()
             raise GatewayError(
                 429,
                 f"Rate limit reached for tenant '{tp.tenant}' on {decision.exceeded} per minute.",
@@ -136,16 +130,15 @@ class SharedLimits:
     def settle(self, charge: Charge, actual: int) -> None:
         """Refund the unused part of the pre-charge, to the counter that took it; never waits on Redis."""
         unused = charge.tokens - actual
-        if unused <= 0 or not charge.limits.tokens_per_minute:
+        if unused <= 0 or not charge.rates.tokens_per_minute:
             return
         if charge.backend == "local":
             self.local.settle(charge.key, charge.tokens, actual, self.clock())
         elif charge.backend == "redis" and self.redis is not None:
-            self._spawn(self.redis.refund(charge.key, charge.limits, unused))
+            self._spawn(self.redis.refund(charge.key, charge.rates, unused))
 
     def _refuse_if_closed(self, tp: TenantPolicy) -> None:
         if self.cfg.on_failure == "closed":
-            self.metrics.rejected.labels("limits_unavailable").inc()
             raise GatewayError(
                 503,
                 "The gateway cannot reach its shared rate-limit store; retry later.",
@@ -156,23 +149,18 @@ class SharedLimits:
 
     # --- concurrency slots --------------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def slot(
+    async def acquire_slot(
         self, tp: TenantPolicy, wait_s: float, queued_elsewhere: Callable[[], int] = lambda: 0
-    ) -> AsyncIterator[float]:
-        """Hold one of the tenant's concurrency slots for the body; yields the seconds spent waiting.
+    ) -> Slot | None:
+        """One of the tenant's concurrency slots (None: the tenant has no concurrency limit), waiting up to
+        ``wait_s``. Give it back with :meth:`release_slot`.
 
         ``queued_elsewhere`` counts the tenant's requests waiting in the admission queue, so that
         ``max_queued`` bounds both waits together."""
         if tp.max_concurrent is None:
-            yield 0.0
-            return
+            return None
         started = self.clock()
-        slot = await self._acquire(tp, tp.max_concurrent, started, started + wait_s, queued_elsewhere)
-        try:
-            yield self.clock() - started
-        finally:
-            self._release(slot)
+        return await self._acquire(tp, tp.max_concurrent, started, started + wait_s, queued_elsewhere)
 
     async def _acquire(
         self,
@@ -189,7 +177,6 @@ class SharedLimits:
                 return slot
         max_queued = tp.qclass.max_queued
         if max_queued is not None and len(line) + queued_elsewhere() >= max_queued:
-            self.metrics.rejected.labels("tenant_queue_full").inc()
             raise GatewayError(
                 429,
                 f"Tenant '{tp.tenant}' has {max_queued} request(s) waiting already.",
@@ -209,7 +196,6 @@ class SharedLimits:
                         return slot
                 remaining = deadline - self.clock()
                 if remaining <= 0:
-                    self.metrics.rejected.labels("queue_timeout").inc()
                     raise queue_timeout(
                         1.0,
                         self.clock() - started,
@@ -249,7 +235,8 @@ class SharedLimits:
             limit = max(1, -(-limit // self.cfg.replicas))
         return self.slots.try_acquire(tp.key, limit)
 
-    def _release(self, slot: Slot) -> None:
+    def release_slot(self, slot: Slot) -> None:
+        """Give a slot back; a second call for the same slot does nothing."""
         if slot.released:
             return
         if slot.backend == "local":

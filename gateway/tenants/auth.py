@@ -10,7 +10,7 @@ import hashlib
 from collections.abc import Iterable
 
 from gateway.config import AuthConfig, TenantConfig
-from gateway.errors import GatewayError
+from gateway.protocol.errors import GatewayError
 
 
 def key_digest(key: str) -> str:

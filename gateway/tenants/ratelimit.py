@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.config import TenantConfig
-
 
 class TokenBucket:
     """``capacity`` units that refill continuously at ``capacity / period_s`` per second."""
@@ -82,8 +80,8 @@ class RateDecision:
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
-    """The per-minute limits of one bucket key (None = unlimited)."""
+class RateLimits:
+    """The per-minute rate limits of one bucket key (None = unlimited)."""
 
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
@@ -92,9 +90,9 @@ class Limits:
     def any(self) -> bool:
         return bool(self.requests_per_minute or self.tokens_per_minute)
 
-    def scaled(self, divisor: int) -> Limits:
+    def scaled(self, divisor: int) -> RateLimits:
         """This replica's share when the shared counters are out of reach (fail-open)."""
-        return Limits(_share(self.requests_per_minute, divisor), _share(self.tokens_per_minute, divisor))
+        return RateLimits(_share(self.requests_per_minute, divisor), _share(self.tokens_per_minute, divisor))
 
 
 def _share(limit: int | None, divisor: int) -> int | None:
@@ -104,8 +102,7 @@ def _share(limit: int | None, divisor: int) -> int | None:
 class RateLimiter:
     """In-process token buckets by key (a tenant, or a tenant and a model with its own limits)."""
 
-    def __init__(self, tenants: list[TenantConfig] | None = None) -> None:
-        self._defaults = {t.name: Limits(t.requests_per_minute, t.tokens_per_minute) for t in tenants or []}
+    def __init__(self) -> None:
         self._requests: dict[str, TokenBucket] = {}
         self._tokens: dict[str, TokenBucket] = {}
 
@@ -120,16 +117,10 @@ class RateLimiter:
             bucket.resize(capacity, now)
         return bucket
 
-    def _buckets(self, key: str, limits: Limits | None, now: float) -> tuple[TokenBucket | None, TokenBucket | None]:
-        lim = limits if limits is not None else self._defaults.get(key, Limits())
-        return (
-            self._bucket(self._requests, key, lim.requests_per_minute, now),
-            self._bucket(self._tokens, key, lim.tokens_per_minute, now),
-        )
-
-    def check(self, key: str, tokens: int, now: float, limits: Limits | None = None) -> RateDecision:
+    def check(self, key: str, tokens: int, now: float, rates: RateLimits) -> RateDecision:
         """Charge one request and ``tokens`` if both fit; else charge nothing and say how long to wait."""
-        req_bucket, tok_bucket = self._buckets(key, limits, now)
+        req_bucket = self._bucket(self._requests, key, rates.requests_per_minute, now)
+        tok_bucket = self._bucket(self._tokens, key, rates.tokens_per_minute, now)
         req_wait = req_bucket.wait_for(1, now) if req_bucket else 0.0
         tok_wait = tok_bucket.wait_for(tokens, now) if tok_bucket else 0.0
         allowed = req_wait == 0.0 and tok_wait == 0.0

@@ -4,7 +4,7 @@ vLLM allocates KV memory in fixed-size blocks of ``block_size`` tokens per seque
 ``ceil((prompt + output) / block_size)`` blocks; ``n`` (or ``best_of``) sequences each hold their own. When a
 request gives no ``max_tokens``, vLLM lets it run to ``max_model_len``, so that is what we reserve.
 
-This module is pure arithmetic: token *counting* happens in :mod:`gateway.tokenizer`.
+This module is pure arithmetic: token *counting* happens in :mod:`gateway.tokens.tokenizers`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.errors import GatewayError, bad_request, context_length_exceeded
+from gateway.protocol.errors import GatewayError, bad_request, context_length_exceeded
 
 
 @dataclass(frozen=True, slots=True)

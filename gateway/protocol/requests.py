@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import orjson
 
-from gateway.errors import bad_request
+from gateway.protocol.errors import bad_request
 
 Endpoint = Literal["chat", "completions"]
 Prompt = str | list[int]
@@ -20,10 +20,7 @@ Prompt = str | list[int]
 @dataclass(frozen=True, slots=True)
 class InferenceRequest:
     endpoint: Endpoint
-    raw: bytes
     model: str | None
-    stream: bool
-    include_usage: bool
     sequences_per_prompt: int
     max_tokens: int | None
     messages: list[dict[str, Any]] | None
@@ -40,9 +37,10 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         raise bad_request("The request body must be a JSON object.")
 
     model = _optional(body, "model", str)
-    stream = bool(_optional(body, "stream", bool))
+    _optional(body, "stream", bool)
     stream_options = _optional(body, "stream_options", dict) or {}
-    include_usage = bool(stream_options.get("include_usage", False)) if stream else True
+    for key in ("include_usage", "continuous_usage_stats"):
+        _optional(stream_options, key, bool, f"stream_options.{key}")
     n = _positive_int(body, "n") or 1
     best_of = _positive_int(body, "best_of")
     if best_of is not None and best_of < n:
@@ -60,10 +58,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         prompts = _prompts(body)
     return InferenceRequest(
         endpoint=endpoint,
-        raw=raw,
         model=model,
-        stream=stream,
-        include_usage=include_usage,
         sequences_per_prompt=max(n, best_of or 1),
         max_tokens=max_tokens,
         messages=messages,
@@ -72,10 +67,10 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     )
 
 
-def _optional(body: dict[str, Any], key: str, kind: type) -> Any:
+def _optional(body: dict[str, Any], key: str, kind: type, param: str | None = None) -> Any:
     value = body.get(key)
     if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
-        raise bad_request(f"'{key}' must be of type {kind.__name__}.", param=key)
+        raise bad_request(f"'{param or key}' must be of type {kind.__name__}.", param=param or key)
     return value
 
 

@@ -19,11 +19,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.admission.gate import HysteresisGate
+from gateway.admission.ledger import Ledger, Reservation
+from gateway.admission.queue import AdmissionQueue, QueueClass, Refused, Ticket
 from gateway.config import AdmissionConfig
-from gateway.cost import KvGeometry, RequestCost
-from gateway.gate import HysteresisGate
-from gateway.ledger import Ledger, Reservation
-from gateway.queue import AdmissionQueue, QueueClass, Refused, Ticket
+from gateway.tokens.cost import KvGeometry, RequestCost
 
 
 @dataclass(frozen=True, slots=True)

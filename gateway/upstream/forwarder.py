@@ -11,18 +11,17 @@ response head until the first chunk has arrived so that both can become a proper
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import aiohttp
 import orjson
 
-from gateway.errors import GatewayError, engine_busy, upstream_unavailable
-from gateway.http_client import ConnectFailed, Pool, Response, UpstreamError
 from gateway.metrics import GatewayMetrics
-
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+from gateway.protocol.errors import GatewayError, engine_busy, upstream_unavailable
+from gateway.upstream.http_client import ConnectFailed, Pool, Response, UpstreamError
+from gateway.upstream.session import UpstreamSession
 
 HOP_BY_HOP = frozenset(
     {
@@ -50,26 +49,12 @@ class Usage:
     completion_tokens: int
 
 
-class ResponseWriter:
-    """The client side of one ASGI response; remembers whether the head has gone out."""
+class Downstream(Protocol):
+    """Where an answer goes: the client's response (:class:`gateway.server.response.ResponseWriter`)."""
 
-    def __init__(self, send: Send) -> None:
-        self._send = send
-        self.started = False
-        self.finished = False
+    async def start(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> None: ...
 
-    async def start(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> None:
-        self.started = True
-        await self._send({"type": "http.response.start", "status": status, "headers": list(headers)})
-
-    async def body(self, chunk: bytes, more: bool = False) -> None:
-        self.finished = not more
-        await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
-
-    async def error(self, exc: GatewayError, extra_headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
-        body = exc.body()
-        await self.start(exc.status, [*exc.headers(), *extra_headers, (b"content-length", str(len(body)).encode())])
-        await self.body(body)
+    async def body(self, chunk: bytes, more: bool = False) -> None: ...
 
 
 def upstream_headers(
@@ -133,24 +118,22 @@ def _usage_from_tail(tail: bytes) -> Usage | None:
 
 
 class Forwarder:
-    """Inference requests go through the lean client of :mod:`gateway.http_client` (the hot path); every other
-    path through aiohttp, which copes with any method and framing."""
+    """Inference requests go through the lean client of :mod:`gateway.upstream.http_client` (the hot path);
+    every other path through aiohttp, which copes with any method and framing."""
 
     def __init__(
         self,
         base_url: str,
-        session: aiohttp.ClientSession,
+        session: UpstreamSession,
         metrics: GatewayMetrics,
         *,
         timeout_s: float,
         connect_timeout_s: float,
-        api_key: str | None,
         max_connections: int = 1024,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.session = session
         self.metrics = metrics
-        self.api_key = api_key
         self.timeout_s = timeout_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self.pool = Pool(
@@ -168,7 +151,7 @@ class Forwarder:
         path: str,
         body: bytes,
         headers: list[tuple[bytes, bytes]],
-        writer: ResponseWriter,
+        writer: Downstream,
         extra_headers: list[tuple[bytes, bytes]],
         on_progress: Callable[[int], None],
     ) -> Usage | None:
@@ -198,17 +181,17 @@ class Forwarder:
         instant ago fails before any response arrives; the request then never got a response, so it is sent
         once more on a fresh connection (what browsers do). Connection refusals are not retried."""
         try:
-            return await self.session.request(method, url, data=body or None, headers=headers, timeout=self.timeout)
+            return await self.session().request(method, url, data=body or None, headers=headers, timeout=self.timeout)
         except aiohttp.ClientConnectorError:
             raise
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
             self.metrics.upstream_retries.inc()
-            return await self.session.request(method, url, data=body or None, headers=headers, timeout=self.timeout)
+            return await self.session().request(method, url, data=body or None, headers=headers, timeout=self.timeout)
 
     async def _relay_stream(
         self,
         resp: Response,
-        writer: ResponseWriter,
+        writer: Downstream,
         extra_headers: list[tuple[bytes, bytes]],
         on_progress: Callable[[int], None],
         started: float,
@@ -234,7 +217,7 @@ class Forwarder:
         return _usage_from_tail(tail)
 
     async def passthrough(
-        self, method: str, path_qs: str, body: bytes, headers: list[tuple[bytes, bytes]], writer: ResponseWriter
+        self, method: str, path_qs: str, body: bytes, headers: list[tuple[bytes, bytes]], writer: Downstream
     ) -> None:
         """Any other path: same status, same body, same headers minus hop-by-hop ones."""
         str_headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]

@@ -16,9 +16,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.errors import GatewayError
-from gateway.parse import InferenceRequest
-from gateway.tokenizer import (
+from gateway.protocol.errors import GatewayError
+from gateway.protocol.requests import InferenceRequest
+from gateway.tokens.tokenizers import (
     HeuristicTokenizer,
     LocalTokenizer,
     TokenizerUnavailable,

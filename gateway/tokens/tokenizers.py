@@ -9,7 +9,7 @@ Four kinds, best first:
   time here) or from a local ``.tiktoken`` rank file.
 * ``heuristic[:CHARS_PER_TOKEN]``: characters divided by a ratio. Never exact; always available.
 
-``auto`` picks the best available at start-up and logs the choice (see :func:`gateway.cost.build_counter`).
+``auto`` picks the best available at start-up and logs the choice (see :func:`gateway.tokens.cost.build_counter`).
 Local tokenizers are synchronous and thread-safe; the caller decides when to push them onto a thread.
 """
 

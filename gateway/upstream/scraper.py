@@ -1,4 +1,5 @@
-"""Telemetry loop: scrape the engine's /metrics every interval and feed the admission controller.
+"""Telemetry loop: scrape the engine's /metrics every interval and publish each sample to its subscribers
+(the admitter is one).
 
 Also learns what /v1/models says about the served model (``max_model_len``, and its path on disk, which lets
 ``--tokenizer auto`` find the exact tokenizer), and measures the event loop's lag as a by-product of its own
@@ -12,17 +13,28 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 import orjson
 
-from gateway.admission import UsageSample
-from gateway.admitter import Admitter
-from gateway.cost import KvGeometry
+from gateway.admission.controller import UsageSample
 from gateway.metrics import GatewayMetrics
-from gateway.telemetry import MetricsFormatError, parse_engine_metrics
+from gateway.tokens.cost import KvGeometry
+from gateway.upstream.engine_metrics import MetricsFormatError, parse_engine_metrics
+from gateway.upstream.session import UpstreamSession
 
 log = logging.getLogger("kvgate.scraper")
+
+
+class SampleSubscriber(Protocol):
+    """Told when a scrape starts (what is in flight now is inside the sample), how it ended, and what it saw."""
+
+    def scrape_started(self) -> None: ...
+
+    def sample(self, sample: UsageSample) -> None: ...
+
+    def scrape_failed(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -36,8 +48,7 @@ class Scraper:
     def __init__(
         self,
         upstream: str,
-        session: aiohttp.ClientSession,
-        admitter: Admitter,
+        session: UpstreamSession,
         metrics: GatewayMetrics,
         *,
         interval_s: float,
@@ -48,7 +59,7 @@ class Scraper:
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.session = session
-        self.admitter = admitter
+        self.subscribers: list[SampleSubscriber] = []
         self.metrics = metrics
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -57,16 +68,18 @@ class Scraper:
         self.last_success: float | None = None
         self.last_error: str | None = None
         self.model = ModelInfo()
+        self.latest: UsageSample | None = None
         self.preemptions: float | None = None
         self.on_model = on_model
+
+    def subscribe(self, subscriber: SampleSubscriber) -> None:
+        self.subscribers.append(subscriber)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         next_tick = loop.time()
         while True:
             await self.scrape_once()
-            self.admitter.refresh_gauges()
-            self.metrics.metrics_age.set(self.age())
             next_tick += self.interval_s
             delay = next_tick - loop.time()
             if delay < 0:  # fell behind (slow upstream): don't burst to catch up
@@ -76,41 +89,40 @@ class Scraper:
             self.metrics.loop_lag.observe(max(0.0, loop.time() - next_tick))
 
     async def scrape_once(self) -> bool:
-        self.admitter.begin_sample()
+        for subscriber in self.subscribers:
+            subscriber.scrape_started()
         started = self.clock()
         try:
-            async with self.session.get(f"{self.upstream}/metrics", timeout=self.timeout) as resp:
+            async with self.session().get(f"{self.upstream}/metrics", timeout=self.timeout) as resp:
                 if resp.status != 200:
                     raise MetricsFormatError(f"/metrics answered HTTP {resp.status}")
                 text = await resp.text()
             engine = parse_engine_metrics(text)
         except (aiohttp.ClientError, TimeoutError, MetricsFormatError, ValueError) as exc:
             self._failed(f"{type(exc).__name__}: {exc}")
-            self.admitter.pump()  # the stale policy may admit (or keep holding) by its own rules
+            for subscriber in self.subscribers:
+                subscriber.scrape_failed()
             return False
-        geometry = self.geometry_override or engine.geometry
-        self.admitter.on_sample(
-            UsageSample(
-                usage=engine.usage,
-                taken_at=started,
-                geometry=geometry,
-                running=engine.running,
-                waiting=engine.waiting,
-                preemptions=engine.preemptions,
-            )
+        self.latest = sample = UsageSample(
+            usage=engine.usage,
+            taken_at=started,
+            geometry=self.geometry_override or engine.geometry,
+            running=engine.running,
+            waiting=engine.waiting,
+            preemptions=engine.preemptions,
         )
+        for subscriber in self.subscribers:
+            subscriber.sample(sample)
         if self.last_error is not None:
             log.info("upstream metrics recovered after: %s", self.last_error)
         self.last_success = started
         self.last_error = None
-        self._export_engine_load(engine.running, engine.waiting, engine.preemptions)
+        self._count_preemptions(engine.preemptions)
         if self.model.id is None:
             await self.discover_model()
         return True
 
-    def _export_engine_load(self, running: float, waiting: float, preemptions: float) -> None:
-        self.metrics.upstream_running.set(running)
-        self.metrics.upstream_waiting.set(waiting)
+    def _count_preemptions(self, preemptions: float) -> None:
         if self.preemptions is not None:
             # an engine restart resets its counter: count what it reports since then
             delta = preemptions - self.preemptions if preemptions >= self.preemptions else preemptions
@@ -126,7 +138,7 @@ class Scraper:
 
     async def discover_model(self) -> None:
         try:
-            async with self.session.get(f"{self.upstream}/v1/models", timeout=self.timeout) as resp:
+            async with self.session().get(f"{self.upstream}/v1/models", timeout=self.timeout) as resp:
                 if resp.status != 200:
                     return
                 data = orjson.loads(await resp.read()).get("data") or []

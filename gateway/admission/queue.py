@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gateway.cost import RequestCost
+from gateway.tokens.cost import RequestCost
 
 PRIORITIES: tuple[str, ...] = ("critical", "standard", "sheddable")
 STANDARD = 1

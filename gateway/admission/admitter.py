@@ -1,24 +1,28 @@
-"""The asyncio shell around :class:`~gateway.admission.AdmissionController`.
+"""The asyncio shell around :class:`~gateway.admission.controller.AdmissionController`.
 
 It parks queued requests on futures, wakes them when capacity frees up (a new sample, a finished request),
-fails them at their deadline, and guarantees that a reservation is released exactly once: a request that is
-cancelled in the instant it gets admitted hands its reservation straight back.
+fails them at their deadline, and never loses a reservation: a request that is cancelled in the instant it gets
+admitted hands its reservation straight back, and :meth:`Admitter.release` releases one exactly once (the
+request's :class:`~gateway.server.exchange.Exchange` calls it when the request ends, however it ends).
+
+It subscribes to the scraper's samples (:meth:`scrape_started`, :meth:`sample`, :meth:`scrape_failed`). Its
+gauges are read from the controller's state at scrape time, never pushed from here; rejections are counted
+where the client is answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.admission import AdmissionController, Admitted, Queued, UsageSample
-from gateway.cost import RequestCost
-from gateway.errors import GatewayError, queue_full, queue_timeout
-from gateway.ledger import Reservation
+from gateway.admission.controller import AdmissionController, Admitted, Queued, UsageSample
+from gateway.admission.ledger import Reservation
+from gateway.admission.queue import PRIORITIES, QueueClass, Ticket
 from gateway.metrics import GatewayMetrics
-from gateway.queue import PRIORITIES, QueueClass, Ticket
+from gateway.protocol.errors import GatewayError, queue_full, queue_timeout
+from gateway.tokens.cost import RequestCost
 
 _CLASS_NAMES = PRIORITIES
 
@@ -30,7 +34,6 @@ class Admission:
     reservation: Reservation
     waited_s: float
     queue_position: int
-    outcome: str = "completed"
     eta_s: float | None = None
 
 
@@ -56,29 +59,6 @@ class Admitter:
         self.metrics = metrics
         self.clock = clock
         self._waiters: dict[int, tuple[Ticket, asyncio.Future[Reservation], asyncio.TimerHandle]] = {}
-        self._tenants_seen: set[str] = set()  # tenants whose queue-depth gauge exists (reset to 0 when empty)
-
-    @asynccontextmanager
-    async def reserve(
-        self,
-        cost: RequestCost,
-        tenant: str,
-        max_wait_s: float | None = None,
-        qclass: QueueClass | None = None,
-    ) -> AsyncIterator[Admission]:
-        """Hold a reservation for the body of the ``async with``; it is released however the body ends."""
-        admission = await self.acquire(cost, tenant, max_wait_s, qclass)
-        try:
-            yield admission
-        except asyncio.CancelledError:
-            admission.outcome = "client_disconnect" if admission.outcome == "completed" else admission.outcome
-            raise
-        except BaseException:
-            if admission.outcome == "completed":
-                admission.outcome = "error"
-            raise
-        finally:
-            self.release(admission.reservation, admission.outcome)
 
     async def acquire(
         self,
@@ -87,6 +67,9 @@ class Admitter:
         max_wait_s: float | None = None,
         qclass: QueueClass | None = None,
     ) -> Admission:
+        """Admit now, or wait in the queue until admitted (raises 429/503 when refused or out of time).
+
+        The caller owns the returned reservation and must :meth:`release` it."""
         qclass = qclass or QueueClass()
         now = self.clock()
         decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass)
@@ -94,7 +77,6 @@ class Admitter:
             self._on_admitted(0.0, decision.reservation, qclass)
             return Admission(decision.reservation, 0.0, 0)
         if not isinstance(decision, Queued):
-            self.metrics.rejected.labels(decision.reason).inc()
             eta = self.controller.eta(decision.position, now)
             extra: dict[str, object] = {
                 "queue_depth": len(self.controller.queue),
@@ -117,7 +99,6 @@ class Admitter:
         timer = loop.call_at(loop.time() + (ticket.deadline - now), self._expire)
         self._waiters[ticket.id] = (ticket, future, timer)
         self._shed(decision.shed, now)
-        self.metrics.queue_depth.set(len(self.controller.queue))
         self.pump()  # it may be at the head already (a fairer tenant than the one that was waiting)
         try:
             reservation = await future
@@ -128,13 +109,16 @@ class Admitter:
         self._on_admitted(waited, reservation, qclass)
         return Admission(reservation, waited, decision.position, eta_s=decision.eta_s)
 
+    def queued(self, tenant: str) -> int:
+        """Requests of ``tenant`` waiting in the admission queue."""
+        return self.controller.queue.tenant_len(tenant)
+
     def _shed(self, tickets: tuple[Ticket, ...], now: float) -> None:
         """Fail the requests a higher-class arrival pushed out of the full queue."""
         for ticket in tickets:
             _, future, timer = self._waiters.pop(ticket.id)
             timer.cancel()
             self.metrics.shed.labels(_CLASS_NAMES[ticket.priority]).inc()
-            self.metrics.rejected.labels("shed").inc()
             if not future.done():
                 position = len(self.controller.queue)
                 eta = self.controller.eta(position, now)
@@ -150,10 +134,12 @@ class Admitter:
         entry = self._waiters.pop(ticket.id, None)
         if entry is not None:
             entry[2].cancel()
-        if self.controller.cancel(ticket):
-            self.metrics.client_disconnects.labels("queued").inc()
-            self.metrics.queue_depth.set(len(self.controller.queue))
-        elif future.done() and not future.cancelled() and future.exception() is None:
+        if (
+            not self.controller.cancel(ticket)
+            and future.done()
+            and not future.cancelled()
+            and future.exception() is None
+        ):
             self.release(future.result(), "client_disconnect")
         self.pump()
 
@@ -164,13 +150,14 @@ class Admitter:
         name = _CLASS_NAMES[qclass.priority]
         self.metrics.class_queue_wait.labels(name).observe(waited_s)
         self.metrics.tenant_admitted_tokens.labels(reservation.tenant, name).inc(reservation.cost.total_tokens)
-        self.metrics.inflight.set(len(self.controller.ledger))
 
-    def release(self, reservation: Reservation, outcome: str) -> None:
-        if self.controller.release(reservation, self.clock()):
-            self.metrics.released.labels(outcome).inc()
-            self.metrics.inflight.set(len(self.controller.ledger))
-            self.pump()
+    def release(self, reservation: Reservation, outcome: str) -> bool:
+        """Give the reservation's blocks back and admit whoever now fits; True the first time only."""
+        if not self.controller.release(reservation, self.clock()):
+            return False
+        self.metrics.released.labels(outcome).inc()
+        self.pump()
+        return True
 
     def progress(self, reservation: Reservation, generated: int) -> None:
         self.controller.progress(reservation, generated, self.clock())
@@ -185,13 +172,11 @@ class Admitter:
                 self.release(reservation, "client_disconnect")
             else:
                 future.set_result(reservation)
-        self.metrics.queue_depth.set(len(self.controller.queue))
 
     def _expire(self) -> None:
         now = self.clock()
         for ticket in self.controller.expire(now):
             _, future, _ = self._waiters.pop(ticket.id)
-            self.metrics.rejected.labels("queue_timeout").inc()
             if not future.done():
                 position = 1 + len(self.controller.queue)
                 eta = self.controller.eta(position, now)
@@ -202,14 +187,18 @@ class Admitter:
                         {"queue_position": position, "queue_eta_s": None if eta is None else round(eta, 3)},
                     )
                 )
-        self.metrics.queue_depth.set(len(self.controller.queue))
 
-    def begin_sample(self) -> None:
+    # --- the scraper's subscriber -------------------------------------------------------------------
+
+    def scrape_started(self) -> None:
         self.controller.begin_sample()
 
-    def on_sample(self, sample: UsageSample) -> None:
+    def sample(self, sample: UsageSample) -> None:
         self.controller.apply_sample(sample)
         self.pump()
+
+    def scrape_failed(self) -> None:
+        self.pump()  # the stale policy may admit (or keep holding) by its own rules
 
     def fail_all_queued(self, error: Callable[[float], GatewayError]) -> None:
         """Answer every queued request with ``error`` (shutdown)."""
@@ -220,23 +209,3 @@ class Admitter:
             self.controller.cancel(ticket)
             if not future.done():
                 future.set_exception(error(self.controller.retry_after(1, now)))
-        self.metrics.queue_depth.set(0)
-
-    def refresh_gauges(self) -> None:
-        now = self.clock()
-        c = self.controller
-        self.metrics.gate_open.set(1 if c.gate.is_open else 0)
-        if c.sample is not None:
-            self.metrics.kv_usage_observed.set(c.sample.usage)
-        projected = c.projected_usage(now)
-        if projected is not None:
-            self.metrics.kv_usage_projected.set(projected)
-        self.metrics.reserved_blocks.set(c.ledger.reserved_blocks)
-        self.metrics.inflight.set(len(c.ledger))
-        self.metrics.queue_depth.set(len(c.queue))
-        depths = c.queue.tenant_lengths()
-        for tenant in self._tenants_seen - depths.keys():
-            self.metrics.tenant_queue_depth.labels(tenant).set(0)
-        for tenant, n in depths.items():
-            self.metrics.tenant_queue_depth.labels(tenant).set(n)
-        self._tenants_seen |= depths.keys()

@@ -10,10 +10,10 @@ from typing import Any
 
 import uvicorn
 
-from gateway.app import Gateway
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.logs import configure_logging
-from gateway.tokenizer import TokenizerUnavailable, load_tokenizer
+from gateway.server.app import Gateway
+from gateway.tokens.tokenizers import TokenizerUnavailable, load_tokenizer
 
 log = logging.getLogger("kvgate")
 

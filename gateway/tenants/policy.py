@@ -1,6 +1,6 @@
 """The tenant policy: one immutable snapshot of who may send what, swapped whole on reload.
 
-A request reads ``gateway.policy`` once, at its start, and uses that snapshot to the end; a reload assigns a
+A request reads the current policy once, at its start, and uses that snapshot to the end; a reload assigns a
 new snapshot between two requests' steps. So no request ever sees half of an old policy and half of a new one.
 """
 
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.auth import TenantDirectory
+from gateway.admission.queue import QueueClass, priority_rank
 from gateway.config import AuthConfig, TenantConfig, TenantLimits
-from gateway.queue import QueueClass, priority_rank
-from gateway.ratelimit import Limits
+from gateway.tenants.auth import TenantDirectory
+from gateway.tenants.ratelimit import RateLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,48 +20,44 @@ class TenantPolicy:
 
     tenant: str
     key: str  # counter key: the tenant, or "tenant/model" when the model has overrides
-    limits: Limits
+    rates: RateLimits
     max_concurrent: int | None
-    max_queue_wait_s: float | None
+    wait_budget_s: float  # the tenant's max_queue_wait_s, else the config's queue_max_wait_s
     qclass: QueueClass
-
-    @property
-    def priority_name(self) -> str:
-        return ("critical", "standard", "sheddable")[self.qclass.priority]
-
-    @property
-    def shared(self) -> bool:
-        """Whether anything about this tenant is counted (and so shared across replicas)."""
-        return self.limits.any or self.max_concurrent is not None
 
 
 class Policy:
-    def __init__(self, auth: AuthConfig, tenants: list[TenantConfig], version: int = 1) -> None:
+    def __init__(self, auth: AuthConfig, tenants: list[TenantConfig], default_wait_s: float, version: int = 1) -> None:
         self.version = version
+        self.default_wait_s = default_wait_s
         self.directory = TenantDirectory(auth, tenants)
         self.tenants = {t.name: t for t in tenants}
+        # Keyed by names from the config only (a tenant, and one of its overridden models or None), so its size
+        # is bounded by the config, not by what clients send.
         self._cache: dict[tuple[str, str | None], TenantPolicy] = {}
 
     def authenticate(self, authorization: bytes | None) -> str:
         return self.directory.authenticate(authorization)
 
     def resolve(self, tenant: str, model: str | None) -> TenantPolicy:
-        cached = self._cache.get((tenant, model))
+        cfg = self.tenants.get(tenant)
+        override_key = model if cfg is not None and model is not None and model in cfg.models else None
+        cached = self._cache.get((tenant, override_key))
         if cached is None:
-            cached = self._cache[(tenant, model)] = self._resolve(tenant, model)
+            cached = self._cache[(tenant, override_key)] = self._resolve(tenant, cfg, override_key)
         return cached
 
-    def _resolve(self, tenant: str, model: str | None) -> TenantPolicy:
-        cfg = self.tenants.get(tenant) or TenantConfig(name=tenant)
+    def _resolve(self, tenant: str, cfg: TenantConfig | None, model: str | None) -> TenantPolicy:
+        cfg = cfg or TenantConfig(name=tenant)
         override = cfg.models.get(model) if model is not None else None
         key = tenant if override is None else f"{tenant}/{model}"
         merged = _merge(cfg, override)
         return TenantPolicy(
             tenant=tenant,
             key=key,
-            limits=Limits(merged.requests_per_minute, merged.tokens_per_minute),
+            rates=RateLimits(merged.requests_per_minute, merged.tokens_per_minute),
             max_concurrent=merged.max_concurrent,
-            max_queue_wait_s=merged.max_queue_wait_s,
+            wait_budget_s=merged.max_queue_wait_s or self.default_wait_s,
             qclass=QueueClass(priority_rank(merged.priority), merged.weight or 1.0, merged.max_queued),
         )
 

@@ -1,0 +1,161 @@
+"""One object per request: everything it holds, released and settled exactly once when it ends.
+
+An :class:`Exchange` is opened when a request arrives and closed when its handler returns, however it returns
+(answered, refused, engine error, client gone). On the way it takes, in order, a rate-limit charge, a tenant
+concurrency slot and a KV reservation, and records how far the engine's answer got. Closing it derives the
+outcome from how it ended, then gives back the reservation and the slot and settles the charge against what was
+really used. Each step is guarded by the exchange's own state, so nothing is given back twice or forgotten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+from typing import Literal
+
+from gateway.admission.admitter import Admission, Admitter
+from gateway.metrics import GatewayMetrics
+from gateway.protocol.errors import GatewayError
+from gateway.server.response import ResponseWriter
+from gateway.server.settle import tokens_used
+from gateway.tenants.counters import Charge, TenantCounters
+from gateway.tenants.policy import TenantPolicy
+from gateway.tenants.ratelimit import ratelimit_headers
+from gateway.tenants.slots import Slot
+from gateway.tokens.cost import RequestCost
+from gateway.upstream.forwarder import Usage
+
+Stage = Literal["body", "waiting", "queued", "streaming"]
+Outcome = Literal["completed", "client_disconnect", "upstream_busy", "upstream_error", "error"]
+
+
+class Exchange:
+    def __init__(
+        self,
+        request_id: str,
+        writer: ResponseWriter,
+        *,
+        admitter: Admitter,
+        counters: TenantCounters,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.request_id = request_id
+        self.writer = writer
+        self._admitter = admitter
+        self._counters = counters
+        self._metrics = metrics
+        self._stage: Stage = "body"
+        self.tenant: TenantPolicy | None = None
+        self.cost: RequestCost | None = None
+        self.charge: Charge | None = None
+        self.slot: Slot | None = None
+        self.slot_wait_s = 0.0
+        self.admission: Admission | None = None
+        self.reached_engine = False
+        self.generated = 0  # SSE events relayed so far
+        self.usage: Usage | None = None
+        self.outcome: Outcome | None = None  # set once, when the exchange closes
+
+    @property
+    def stage(self) -> Stage:
+        """Where the request is: reading its body, being prepared or waiting for the engine, queued, streaming."""
+        return "streaming" if self.writer.started else self._stage
+
+    def body_read(self) -> None:
+        self._stage = "waiting"
+
+    # --- what the request takes, in order ------------------------------------------------------------
+
+    async def charge_rate_limits(self, tenant: TenantPolicy, cost: RequestCost) -> None:
+        """Pre-charge the tenant's per-minute limits with prompt + reserved output (429 over a limit)."""
+        self.tenant, self.cost = tenant, cost
+        self.charge = await self._counters.check(tenant, cost.total_tokens)
+
+    async def take_slot(self) -> None:
+        """One of the tenant's concurrency slots, if it has a limit; waits within the tenant's wait budget."""
+        tenant = self._tenant()
+        self._stage = "queued"
+        started = asyncio.get_running_loop().time()
+        self.slot = await self._counters.acquire_slot(
+            tenant, tenant.wait_budget_s, lambda: self._admitter.queued(tenant.tenant)
+        )
+        self.slot_wait_s = asyncio.get_running_loop().time() - started
+        self._stage = "waiting"
+
+    async def admit(self) -> None:
+        """A KV reservation: admitted now, or after waiting in the queue for what is left of the wait budget."""
+        tenant = self._tenant()
+        assert self.cost is not None
+        self._stage = "queued"
+        self.admission = await self._admitter.acquire(
+            self.cost, tenant.tenant, max(0.0, tenant.wait_budget_s - self.slot_wait_s), tenant.qclass
+        )
+        self._stage = "waiting"
+
+    def sending(self) -> None:
+        """The request is about to be written to the engine: from here on it may have reached it."""
+        self.reached_engine = True
+
+    def progress(self, events: int) -> None:
+        """The engine's answer has got this far (SSE events relayed); the ledger learns it too."""
+        self.generated = events
+        if self.admission is not None:
+            self._admitter.progress(self.admission.reservation, events)
+
+    def reply_headers(self) -> list[tuple[bytes, bytes]]:
+        """What the client's response says beside the engine's headers: request id, rate limits, the wait."""
+        headers = [(b"x-request-id", self.request_id.encode())]
+        if self.charge is not None:
+            headers += ratelimit_headers(self.charge.decision)
+        admission = self.admission
+        if admission is not None and (admission.waited_s > 0 or self.slot_wait_s > 0):
+            headers += [
+                (b"x-kvgate-queue-position", str(admission.queue_position).encode()),
+                (b"x-kvgate-queue-wait-ms", str(round((self.slot_wait_s + admission.waited_s) * 1000)).encode()),
+            ]
+            if admission.eta_s is not None:
+                headers.append((b"x-kvgate-queue-eta-ms", str(round(admission.eta_s * 1000)).encode()))
+        return headers
+
+    # --- the end -------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Exchange:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close(exc)
+
+    def close(self, exc: BaseException | None) -> None:
+        """Derive the outcome, release the reservation and the slot, settle the charge. Once."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome = self._outcome(exc)
+        if self.admission is not None:
+            self._admitter.release(self.admission.reservation, outcome)
+        if self.slot is not None:
+            self._counters.release_slot(self.slot)
+        if self.charge is not None:
+            assert self.cost is not None
+            used = tokens_used(self.cost, self.usage, self.generated, self.reached_engine)
+            self._counters.settle(self.charge, used)
+            if self.usage is not None and self.reached_engine:
+                self._metrics.prompt_tokens_estimated.inc(sum(self.cost.prompt_tokens))
+                self._metrics.prompt_tokens_actual.inc(self.usage.prompt_tokens)
+                self._metrics.completion_tokens.inc(self.usage.completion_tokens)
+
+    def _outcome(self, exc: BaseException | None) -> Outcome:
+        if exc is None:
+            return "completed"
+        if isinstance(exc, asyncio.CancelledError):
+            return "client_disconnect"
+        if isinstance(exc, GatewayError) and exc.code == "engine_busy":
+            return "upstream_busy"
+        if isinstance(exc, GatewayError) and self.reached_engine:
+            return "upstream_error"
+        return "error"
+
+    def _tenant(self) -> TenantPolicy:
+        assert self.tenant is not None, "charge_rate_limits() comes first"
+        return self.tenant
