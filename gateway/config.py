@@ -22,14 +22,32 @@ class _Model(BaseModel):
 class UpstreamConfig(_Model):
     url: str = "http://127.0.0.1:8000"
     connect_timeout_s: float = Field(5.0, gt=0)
-    timeout_s: float = Field(600.0, gt=0, description="Whole-request deadline for one upstream call.")
+    timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest silence from the engine: until the response head arrives (time to first byte) and "
+        "between two body chunks. Not a cap on a stream's total length.",
+    )
     api_key: str | None = Field(None, description="Sent upstream instead of the client's Authorization.")
     max_connections: int = Field(1024, ge=1)
+    max_response_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="An engine response whose head is larger is answered 502."
+    )
 
 
 class ListenConfig(_Model):
+    """The client side of the server: where it listens and what a connection may cost it."""
+
     host: str = "0.0.0.0"
     port: int = Field(8080, ge=1, le=65535)
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A connection must send a request's whole head within this long (slowloris)."
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a request body is being received.")
+    keepalive_timeout_s: float = Field(30.0, gt=0, description="An idle keep-alive connection is closed after this.")
+    max_connections: int = Field(
+        4096, ge=1, description="Connections (and requests) served at once; beyond it new ones get 503."
+    )
 
 
 class ModelConfig(_Model):
@@ -44,6 +62,12 @@ class AdmissionConfig(_Model):
     high_watermark: float = Field(0.90, gt=0, le=1)
     low_watermark: float = Field(0.80, gt=0, le=1)
     queue_max_length: int = Field(1024, ge=0)
+    queue_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="Request bodies held by requests in the admission queue, in bytes; beyond it new arrivals "
+        "get 429 queue_full.",
+    )
     queue_max_wait_s: float = Field(30.0, gt=0)
     stale_after_s: float = Field(2.0, gt=0, description="A metrics sample older than this is stale.")
     stale_policy: Literal["ledger", "hold"] = Field(
@@ -156,6 +180,36 @@ class RedisConfig(_Model):
     slot_poll_s: float = Field(0.02, gt=0, description="How often a request waiting for a shared slot retries.")
 
 
+class PassthroughConfig(_Model):
+    """Engine routes kvgate does not understand stay closed (404) unless listed here."""
+
+    allow: list[str] = Field(
+        default_factory=list,
+        description="Exact paths forwarded as they are (e.g. /reset_prefix_cache, /v1/load_lora_adapter): no "
+        "admission, no rate limit. Each must be canonical (starts with /, no dot segments, no %, no //).",
+    )
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="If set, only these keys (plain or 'sha256:<hex>') may call the allowed paths; otherwise any "
+        "authenticated tenant may.",
+    )
+
+    @model_validator(mode="after")
+    def _paths_canonical(self) -> PassthroughConfig:
+        for path in self.allow:
+            segments = path.split("/")[1:]
+            if (
+                not path.startswith("/")
+                or "%" in path
+                or "?" in path
+                or "#" in path
+                or "//" in path
+                or any(s in (".", "..") for s in segments)
+            ):
+                raise ValueError(f"passthrough.allow: {path!r} is not a canonical path")
+        return self
+
+
 class ReloadConfig(_Model):
     enabled: bool = Field(True, description="Watch the config file and apply new auth/tenants without restart.")
     interval_s: float = Field(1.0, gt=0, description="How often the file (and its ..data symlink) is checked.")
@@ -173,6 +227,7 @@ class GatewayConfig(_Model):
     tenants: list[TenantConfig] = Field(default_factory=list)
     redis: RedisConfig = RedisConfig()
     reload: ReloadConfig = ReloadConfig()
+    passthrough: PassthroughConfig = PassthroughConfig()
     log_level: str = "info"
 
     @model_validator(mode="after")

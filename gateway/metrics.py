@@ -114,9 +114,9 @@ class GatewayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.upstream_retries = Counter(
-            "kvgate_upstream_retries",
-            "Requests sent again after a pooled connection turned out closed before any response",
+        self.upstream_stale_connections = Counter(
+            "kvgate_upstream_stale_connections",
+            "Pooled connections the engine had closed, discarded before a request was written on them",
             registry=r,
         )
         self.scrape_errors = Counter("kvgate_scrape_errors", "Failed scrapes of the upstream /metrics", registry=r)

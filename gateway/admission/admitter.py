@@ -66,13 +66,14 @@ class Admitter:
         tenant: str,
         max_wait_s: float | None = None,
         qclass: QueueClass | None = None,
+        body_bytes: int = 0,
     ) -> Admission:
         """Admit now, or wait in the queue until admitted (raises 429/503 when refused or out of time).
 
         The caller owns the returned reservation and must :meth:`release` it."""
         qclass = qclass or QueueClass()
         now = self.clock()
-        decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass)
+        decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass, body_bytes)
         if isinstance(decision, Admitted):
             self._on_admitted(0.0, decision.reservation, qclass)
             return Admission(decision.reservation, 0.0, 0)

@@ -90,7 +90,7 @@ class AdmissionController:
     def __init__(self, config: AdmissionConfig, geometry: KvGeometry | None = None) -> None:
         self.config = config
         self.gate = HysteresisGate(config.high_watermark, config.low_watermark)
-        self.queue = AdmissionQueue(config.queue_max_length)
+        self.queue = AdmissionQueue(config.queue_max_length, config.queue_max_bytes)
         self.geometry = geometry
         self.ledger = Ledger(geometry.block_size if geometry else 16)
         self.sample: UsageSample | None = None
@@ -162,6 +162,7 @@ class AdmissionController:
         now: float,
         max_wait_s: float | None = None,
         qclass: QueueClass | None = None,
+        body_bytes: int = 0,
     ) -> Decision:
         """Admit now if nothing of this class or a higher one waits and it fits; otherwise queue (possibly
         shedding a lower-class ticket), or reject when the queue (or the tenant's share of it) is full.
@@ -171,7 +172,7 @@ class AdmissionController:
         if not self.queue.waiting_at_or_above(qclass.priority) and (usage := self.fits(cost.blocks, now)) is not None:
             return Admitted(self._reserve(cost, tenant, now, usage))
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
-        ticket = Ticket(cost, tenant, enqueued_at=now, deadline=now + wait, qclass=qclass)
+        ticket = Ticket(cost, tenant, enqueued_at=now, deadline=now + wait, qclass=qclass, body_bytes=body_bytes)
         pushed = self.queue.push(ticket)
         if isinstance(pushed, Refused):
             position = len(self.queue) + 1

@@ -50,6 +50,7 @@ class Ticket:
     deadline: float
     id: int = field(default=0)
     qclass: QueueClass = field(default_factory=QueueClass)
+    body_bytes: int = 0  # the request body it keeps while it waits
     start: float = 0.0
     finish: float = 0.0
 
@@ -131,8 +132,12 @@ class _Class:
 
 
 class AdmissionQueue:
-    def __init__(self, max_length: int) -> None:
+    """Bounded in tickets and in the request bytes they hold, so client input cannot grow it without limit."""
+
+    def __init__(self, max_length: int, max_bytes: int | None = None) -> None:
         self.max_length = max_length
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._classes = [_Class() for _ in PRIORITIES]
         self._by_id: dict[int, Ticket] = {}
         self._per_tenant: dict[str, int] = {}
@@ -166,6 +171,8 @@ class AdmissionQueue:
         q = ticket.qclass
         if q.max_queued is not None and self.tenant_len(ticket.tenant) >= q.max_queued:
             return Refused("tenant_queue_full")
+        if self.max_bytes is not None and self.bytes + ticket.body_bytes > self.max_bytes:
+            return Refused("queue_full")
         shed: list[Ticket] = []
         if self.is_full:
             victim = self._lowest_below(ticket.priority)
@@ -177,6 +184,7 @@ class AdmissionQueue:
         ticket.id = self._next_id
         self._classes[ticket.priority].push(ticket)
         self._by_id[ticket.id] = ticket
+        self.bytes += ticket.body_bytes
         self._per_tenant[ticket.tenant] = self.tenant_len(ticket.tenant) + 1
         return Pushed(tuple(shed))
 
@@ -210,6 +218,7 @@ class AdmissionQueue:
 
     def _forget(self, ticket: Ticket) -> None:
         del self._by_id[ticket.id]
+        self.bytes -= ticket.body_bytes
         left = self._per_tenant[ticket.tenant] - 1
         if left:
             self._per_tenant[ticket.tenant] = left

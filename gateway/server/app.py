@@ -22,9 +22,8 @@ from gateway.admission.controller import AdmissionController
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics, Reading
 from gateway.protocol.errors import shutting_down
-from gateway.protocol.requests import Endpoint
 from gateway.server.disconnect import Receive
-from gateway.server.request_path import RequestPath
+from gateway.server.request_path import RequestPath, raw_path_of
 from gateway.server.response import Send
 from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import Policy
@@ -39,7 +38,6 @@ from gateway.upstream.session import UpstreamSession
 
 log = logging.getLogger("kvgate")
 
-INFERENCE_PATHS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 CONTROL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
@@ -65,11 +63,11 @@ class Gateway:
         self.session = UpstreamSession(config.upstream.max_connections)
         self.forwarder = Forwarder(
             config.upstream.url,
-            self.session,
             self.metrics,
             timeout_s=config.upstream.timeout_s,
             connect_timeout_s=config.upstream.connect_timeout_s,
             max_connections=config.upstream.max_connections,
+            max_header_bytes=config.upstream.max_response_header_bytes,
         )
         self.scraper = Scraper(
             config.upstream.url,
@@ -96,6 +94,7 @@ class Gateway:
             admitter=self.admitter,
             forwarder=self.forwarder,
             limits=config.limits,
+            passthrough=config.passthrough,
             upstream_api_key=config.upstream.api_key,
             metrics=self.metrics,
             draining=lambda: self.draining,
@@ -123,14 +122,12 @@ class Gateway:
             return
         if scope["type"] != "http":
             return
-        path = scope["path"]
-        if path in CONTROL_PATHS:
+        if raw_path_of(scope) in CONTROL_PATHS:
             await self._control(scope, receive, send)
             return
-        endpoint = INFERENCE_PATHS.get(path) if scope["method"] == "POST" else None
         self.active_requests += 1
         try:
-            await self.requests.handle(scope, receive, send, endpoint)
+            await self.requests.handle(scope, receive, send)
         finally:
             self.active_requests -= 1
             if self.draining and self.active_requests == 0:

@@ -45,6 +45,7 @@ class Exchange:
         self._counters = counters
         self._metrics = metrics
         self._stage: Stage = "body"
+        self.body_bytes = 0
         self.tenant: TenantPolicy | None = None
         self.cost: RequestCost | None = None
         self.charge: Charge | None = None
@@ -61,7 +62,8 @@ class Exchange:
         """Where the request is: reading its body, being prepared or waiting for the engine, queued, streaming."""
         return "streaming" if self.writer.started else self._stage
 
-    def body_read(self) -> None:
+    def body_read(self, size: int) -> None:
+        self.body_bytes = size
         self._stage = "waiting"
 
     # --- what the request takes, in order ------------------------------------------------------------
@@ -88,7 +90,11 @@ class Exchange:
         assert self.cost is not None
         self._stage = "queued"
         self.admission = await self._admitter.acquire(
-            self.cost, tenant.tenant, max(0.0, tenant.wait_budget_s - self.slot_wait_s), tenant.qclass
+            self.cost,
+            tenant.tenant,
+            max(0.0, tenant.wait_budget_s - self.slot_wait_s),
+            tenant.qclass,
+            self.body_bytes,
         )
         self._stage = "waiting"
 

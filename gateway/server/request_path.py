@@ -1,10 +1,10 @@
-"""The request path, top to bottom: :meth:`RequestPath.inference`.
+"""The request path, top to bottom: :meth:`RequestPath.handle`, then :meth:`RequestPath.inference`.
 
-authenticate -> parse -> estimate cost -> rate limit -> tenant slot -> admit (or queue / reject) -> forward and
-stream -> settle and release. Each step lives in the module named after it; this file only strings them
-together. :meth:`RequestPath.handle` wraps every proxied request: it opens the request's
-:class:`~gateway.server.exchange.Exchange`, answers errors in OpenAI's shape, and is the one place where
-rejections and client disconnects are counted.
+route (allow-list, canonical path) -> authenticate -> parse -> estimate cost -> rate limit -> tenant slot ->
+admit (or queue / reject) -> forward and stream -> settle and release. Each step lives in the module named
+after it; this file only strings them together. :meth:`RequestPath.handle` wraps every proxied request: it
+opens the request's :class:`~gateway.server.exchange.Exchange`, answers errors in OpenAI's shape, and is the one
+place where rejections and client disconnects are counted.
 """
 
 from __future__ import annotations
@@ -16,13 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.admission.admitter import Admitter
-from gateway.config import RequestLimitsConfig
+from gateway.config import PassthroughConfig, RequestLimitsConfig
 from gateway.metrics import GatewayMetrics
+from gateway.protocol.bodies import parse_body
 from gateway.protocol.errors import GatewayError, payload_too_large, shutting_down
-from gateway.protocol.requests import Endpoint, InferenceRequest, parse_request
+from gateway.protocol.requests import InferenceRequest
+from gateway.protocol.routes import BodyKind, route
 from gateway.server.disconnect import ClientDisconnected, DisconnectWatch, Receive
 from gateway.server.exchange import Exchange
 from gateway.server.response import ResponseWriter, Send
+from gateway.tenants.auth import AdminKeys
 from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import Policy
 from gateway.tokens.estimator import CostEstimator
@@ -43,6 +46,7 @@ class RequestPath:
         admitter: Admitter,
         forwarder: Forwarder,
         limits: RequestLimitsConfig,
+        passthrough: PassthroughConfig,
         upstream_api_key: str | None,
         metrics: GatewayMetrics,
         draining: Callable[[], bool],
@@ -53,12 +57,15 @@ class RequestPath:
         self.admitter = admitter
         self.forwarder = forwarder
         self.limits = limits
+        self.allowed = frozenset(passthrough.allow)
+        self.admin_keys = AdminKeys(passthrough.admin_api_keys)
         self.upstream_api_key = upstream_api_key
         self.metrics = metrics
         self.draining = draining
 
-    async def handle(self, scope: dict[str, Any], receive: Receive, send: Send, endpoint: Endpoint | None) -> None:
-        """One proxied request (``endpoint`` None: a passthrough path), from arrival to its last byte."""
+    async def handle(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        """One proxied request, from arrival to its last byte: route, authenticate, then the generation path
+        or a passthrough."""
         writer = ResponseWriter(send)
         request_id = _request_id(scope["headers"])
         watch = DisconnectWatch(receive, lambda: writer.finished)
@@ -67,10 +74,22 @@ class RequestPath:
             async with exchange:
                 if self.draining():
                     raise shutting_down(1.0)
-                if endpoint is None:
-                    await self.passthrough(exchange, scope, receive)
+                raw_path = raw_path_of(scope)
+                where = route(scope["method"], raw_path, self.allowed)
+                query = scope.get("query_string")
+                target = raw_path + "?" + query.decode("latin-1") if query else raw_path
+                policy = self.policy()
+                authorization = _header(scope["headers"], b"authorization")
+                if where.kind == "allowed" and self.admin_keys:
+                    self.admin_keys.check(authorization)  # admin routes answer to the admin keys alone
+                    await self.passthrough(exchange, target, scope, receive, watch)
+                    return
+                tenant = policy.authenticate(authorization)
+                if where.kind == "generation":
+                    assert where.body is not None
+                    await self.inference(exchange, where.body, target, policy, tenant, scope, receive, watch)
                 else:
-                    await self.inference(exchange, endpoint, scope, receive, watch)
+                    await self.passthrough(exchange, target, scope, receive, watch)
         except GatewayError as exc:
             self.metrics.rejected.labels(exc.code or f"http_{exc.status}").inc()
             if not writer.started:
@@ -90,17 +109,22 @@ class RequestPath:
             watch.stop()
 
     async def inference(
-        self, exchange: Exchange, endpoint: Endpoint, scope: dict[str, Any], receive: Receive, watch: DisconnectWatch
+        self,
+        exchange: Exchange,
+        body_kind: BodyKind,
+        target: str,
+        policy: Policy,
+        tenant: str,
+        scope: dict[str, Any],
+        receive: Receive,
+        watch: DisconnectWatch,
     ) -> None:
-        headers = scope["headers"]
-        # 1. authenticate (against one policy snapshot for the whole request)
-        policy = self.policy()
-        tenant = policy.authenticate(_header(headers, b"authorization"))
+        # 1. authenticated already (against one policy snapshot for the whole request)
         # 2. parse (large bodies on a worker thread)
         raw = await read_body(receive, self.limits.max_body_bytes)
-        exchange.body_read()
+        exchange.body_read(len(raw))
         watch.start()  # from here on, a client that goes away cancels this request wherever it is
-        request = await _parse(endpoint, raw)
+        request = await _parse(body_kind, raw)
         # 3. estimate cost (tokenizing long prompts off the event loop)
         cost = await self.costs.estimate(request)
         # 4. rate limit (pre-charges prompt + reserved output; shared across replicas when Redis is configured)
@@ -111,22 +135,32 @@ class RequestPath:
         # 6. forward and stream
         exchange.sending()
         exchange.usage = await self.forwarder.inference(
-            scope["path"],
+            target,
             raw,
-            upstream_headers(headers, exchange.request_id, self.upstream_api_key),
+            upstream_headers(scope["headers"], exchange.request_id, self.upstream_api_key),
             exchange.writer,
             exchange.reply_headers(),
             exchange.progress,
         )
         # 7. settle and release: when the exchange closes, however the request ended
 
-    async def passthrough(self, exchange: Exchange, scope: dict[str, Any], receive: Receive) -> None:
+    async def passthrough(
+        self, exchange: Exchange, target: str, scope: dict[str, Any], receive: Receive, watch: DisconnectWatch
+    ) -> None:
         body = await read_body(receive, self.limits.max_body_bytes)
-        exchange.body_read()
-        query = scope.get("query_string")
-        path_qs = scope["path"] + (("?" + query.decode("latin-1")) if query else "")
+        exchange.body_read(len(body))
+        watch.start()
         headers = upstream_headers(scope["headers"], exchange.request_id, self.upstream_api_key)
-        await self.forwarder.passthrough(scope["method"], path_qs, body, headers, exchange.writer)
+        exchange.sending()
+        await self.forwarder.passthrough(scope["method"], target, body, headers, exchange.writer)
+
+
+def raw_path_of(scope: dict[str, Any]) -> str:
+    """The path exactly as the client sent it (percent-encoding and all): what routing decides on."""
+    raw = scope.get("raw_path")
+    if raw is None:  # a server that does not report it: the decoded path is all there is
+        return str(scope["path"])
+    return bytes(raw).split(b"?", 1)[0].decode("latin-1")
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:
@@ -145,10 +179,10 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-async def _parse(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
+async def _parse(kind: BodyKind, raw: bytes) -> InferenceRequest:
     if len(raw) <= _PARSE_OFFLOAD_BYTES:
-        return parse_request(endpoint, raw)
-    return await asyncio.get_running_loop().run_in_executor(None, parse_request, endpoint, raw)
+        return parse_body(kind, raw)
+    return await asyncio.get_running_loop().run_in_executor(None, parse_body, kind, raw)
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:

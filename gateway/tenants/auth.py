@@ -17,6 +17,27 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def _digest_of(key: str) -> str:
+    """A configured key, plain or ``sha256:<hex>``, as the digest incoming keys are compared with."""
+    return key.removeprefix("sha256:").lower() if key.startswith("sha256:") else key_digest(key)
+
+
+class AdminKeys:
+    """The keys that may call allow-listed admin routes (``passthrough.admin_api_keys``); none configured means
+    any tenant that authenticates may."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._digests = frozenset(_digest_of(k) for k in keys)
+
+    def __bool__(self) -> bool:
+        return bool(self._digests)
+
+    def check(self, authorization: bytes | None) -> None:
+        token = _bearer(authorization)
+        if token is None or key_digest(token) not in self._digests:
+            raise GatewayError(403, "This route needs an admin API key.", type="permission_error", code="forbidden")
+
+
 class TenantDirectory:
     def __init__(self, auth: AuthConfig, tenants: Iterable[TenantConfig]) -> None:
         self.require_api_key = auth.require_api_key
@@ -24,8 +45,7 @@ class TenantDirectory:
         self._by_digest: dict[str, str] = {}
         for tenant in tenants:
             for key in tenant.api_keys:
-                digest = key.removeprefix("sha256:").lower() if key.startswith("sha256:") else key_digest(key)
-                self._by_digest[digest] = tenant.name
+                self._by_digest[_digest_of(key)] = tenant.name
 
     def authenticate(self, authorization: bytes | None) -> str:
         """The tenant's name; anonymous traffic goes to the default tenant unless keys are required."""

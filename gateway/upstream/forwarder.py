@@ -15,13 +15,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-import aiohttp
 import orjson
 
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError, engine_busy, upstream_unavailable
 from gateway.upstream.http_client import ConnectFailed, Pool, Response, UpstreamError
-from gateway.upstream.session import UpstreamSession
 
 HOP_BY_HOP = frozenset(
     {
@@ -57,13 +55,25 @@ class Downstream(Protocol):
     async def body(self, chunk: bytes, more: bool = False) -> None: ...
 
 
+def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Header names a ``Connection:`` header lists: hop-by-hop for this one connection only (RFC 9110 7.6.1)."""
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            named.update(token.strip().lower() for token in value.split(b","))
+    return frozenset(named)
+
+
 def upstream_headers(
-    client_headers: Iterable[tuple[bytes, bytes]], request_id: str, api_key: str | None
+    client_headers: list[tuple[bytes, bytes]], request_id: str, api_key: str | None
 ) -> list[tuple[bytes, bytes]]:
     """The client's headers minus hop-by-hop ones, with our request id (and the engine's key, if it has one)."""
     replaced = {b"x-request-id"} if api_key is None else {b"x-request-id", b"authorization"}
+    named = _connection_named(client_headers)
     headers = [
-        (k, v) for k, v in client_headers if (name := k.lower()) not in _NOT_FORWARDED_UP and name not in replaced
+        (k, v)
+        for k, v in client_headers
+        if (name := k.lower()) not in _NOT_FORWARDED_UP and name not in replaced and name not in named
     ]
     headers.append((b"x-request-id", request_id.encode("latin-1")))
     if api_key is not None:
@@ -71,9 +81,10 @@ def upstream_headers(
     return headers
 
 
-def relayed_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+def relayed_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The engine's headers as it sent them (duplicates such as set-cookie kept), minus hop-by-hop ones."""
-    return [(k.lower(), v) for k, v in headers if k.lower() not in _NOT_RELAYED_DOWN]
+    named = _connection_named(headers)
+    return [(k.lower(), v) for k, v in headers if (n := k.lower()) not in _NOT_RELAYED_DOWN and n not in named]
 
 
 def is_engine_busy(body: bytes) -> bool:
@@ -118,29 +129,28 @@ def _usage_from_tail(tail: bytes) -> Usage | None:
 
 
 class Forwarder:
-    """Inference requests go through the lean client of :mod:`gateway.upstream.http_client` (the hot path);
-    every other path through aiohttp, which copes with any method and framing."""
+    """Sends requests to the engine through the lean client of :mod:`gateway.upstream.http_client`: once each,
+    on the target exactly as the router checked it, and relays the answer as it comes (redirects included:
+    they are the client's to follow, never ours)."""
 
     def __init__(
         self,
         base_url: str,
-        session: UpstreamSession,
         metrics: GatewayMetrics,
         *,
         timeout_s: float,
         connect_timeout_s: float,
         max_connections: int = 1024,
+        max_header_bytes: int = 64 * 1024,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.session = session
         self.metrics = metrics
         self.timeout_s = timeout_s
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s, connect=connect_timeout_s)
         self.pool = Pool(
             base_url,
             connect_timeout_s=connect_timeout_s,
             max_connections=max_connections,
-            on_retry=metrics.upstream_retries.inc,
+            max_header_bytes=max_header_bytes,
+            on_stale=metrics.upstream_stale_connections.inc,
         )
 
     async def close(self) -> None:
@@ -148,7 +158,7 @@ class Forwarder:
 
     async def inference(
         self,
-        path: str,
+        target: str,
         body: bytes,
         headers: list[tuple[bytes, bytes]],
         writer: Downstream,
@@ -158,7 +168,7 @@ class Forwarder:
         """Forward one admitted request; returns the engine's usage when it reported one."""
         started = time.perf_counter()
         try:
-            async with await self.pool.request("POST", path, headers, body, self.timeout_s) as resp:
+            async with await self.pool.request("POST", target, headers, body, self.timeout_s) as resp:
                 media_type = resp.media_type
                 if resp.status == 200 and media_type == "text/event-stream":
                     return await self._relay_stream(resp, writer, extra_headers, on_progress, started)
@@ -175,18 +185,6 @@ class Forwarder:
                 return None
         except (UpstreamError, TimeoutError) as exc:
             raise _upstream_failure(exc) from exc
-
-    async def _send(self, method: str, url: str, body: bytes, headers: list[tuple[str, str]]) -> aiohttp.ClientResponse:
-        """Send and wait for the response head. A pooled keep-alive connection that the engine closed an
-        instant ago fails before any response arrives; the request then never got a response, so it is sent
-        once more on a fresh connection (what browsers do). Connection refusals are not retried."""
-        try:
-            return await self.session().request(method, url, data=body or None, headers=headers, timeout=self.timeout)
-        except aiohttp.ClientConnectorError:
-            raise
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
-            self.metrics.upstream_retries.inc()
-            return await self.session().request(method, url, data=body or None, headers=headers, timeout=self.timeout)
 
     async def _relay_stream(
         self,
@@ -217,24 +215,24 @@ class Forwarder:
         return _usage_from_tail(tail)
 
     async def passthrough(
-        self, method: str, path_qs: str, body: bytes, headers: list[tuple[bytes, bytes]], writer: Downstream
+        self, method: str, target: str, body: bytes, headers: list[tuple[bytes, bytes]], writer: Downstream
     ) -> None:
-        """Any other path: same status, same body, same headers minus hop-by-hop ones."""
-        str_headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+        """A read-only or allow-listed route: same status, same body, same headers minus hop-by-hop ones."""
         try:
-            async with await self._send(method, self.base_url + path_qs, body, str_headers) as resp:
-                length = [] if resp.content_length is None else [_length_n(resp.content_length)]
-                await writer.start(resp.status, [*relayed_headers(resp.raw_headers), *length])
-                async for chunk in resp.content.iter_any():
+            async with await self.pool.request(method, target, headers, body, self.timeout_s) as resp:
+                length = resp.header(b"content-length")
+                extra = [] if length is None else [(b"content-length", length)]
+                await writer.start(resp.status, [*relayed_headers(resp.headers), *extra])
+                async for chunk in resp.chunks():
                     await writer.body(chunk, more=True)
                 await writer.body(b"")
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             raise _upstream_failure(exc) from exc
 
 
 def _upstream_failure(exc: BaseException) -> GatewayError:
     """What the client is told when the engine could not be reached or broke off (503, 504 or 502)."""
-    if isinstance(exc, aiohttp.ClientConnectorError | ConnectFailed):
+    if isinstance(exc, ConnectFailed):
         return upstream_unavailable(f"The inference engine is unreachable: {exc}", 1.0)
     if isinstance(exc, TimeoutError):
         return GatewayError(
@@ -250,7 +248,3 @@ def _upstream_failure(exc: BaseException) -> GatewayError:
 
 def _length(payload: bytes) -> tuple[bytes, bytes]:
     return (b"content-length", str(len(payload)).encode())
-
-
-def _length_n(n: int) -> tuple[bytes, bytes]:
-    return (b"content-length", str(n).encode())

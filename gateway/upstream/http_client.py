@@ -9,9 +9,13 @@ passthrough paths, where HEAD requests and rarer framings occur.
 
 What it does:
 
-- keep-alive pool, LIFO, with idle connections dropped before the engine's own keep-alive timeout; a reused
-  connection that fails before any byte of the answer arrived is retried once on a fresh one;
-- one deadline per request (connect + head + body), like aiohttp's ``ClientTimeout(total=...)``;
+- keep-alive pool, LIFO, with idle connections dropped before the engine's own keep-alive timeout, and a
+  connection the engine has closed (its FIN arrived while idle) discarded before anything is written on it;
+- a request is written once and never sent again: once a byte of it went out, the engine may have it, so a
+  failure after that is the caller's to report (a generation must never run twice);
+- one silence limit per request: until the answer's head arrives, and between two chunks of its body (a long
+  stream that keeps talking is never cut);
+- a limit on the answer's head size;
 - flow control: reading from the engine pauses while the caller has not taken what is buffered;
 - leaving a response before its end closes the connection. That is how vLLM learns that the client went
   away, and how it frees the request's KV blocks.
@@ -60,8 +64,8 @@ class _Connection(asyncio.Protocol):
         self.response: Response | None = None
         self.closed = False
         self.idle_since = 0.0
-        self.used = False  # has carried an exchange before: a failure may be a stale keep-alive
         self.paused = False  # reading paused until the caller takes what is buffered
+        self.head_bytes = 0  # of the current answer's head, against the pool's limit
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
 
@@ -73,12 +77,18 @@ class _Connection(asyncio.Protocol):
         if response is None:  # bytes nobody asked for: this connection cannot be trusted any more
             self.close()
             return
-        response.got_bytes = True
+        response.last_activity = response.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             response.fail(Disconnected(f"the engine sent an invalid HTTP response: {exc}"))
             self.close()
+
+    def eof_received(self) -> bool:
+        """The engine closed its side. An idle connection is then marked closed, so it is never written to."""
+        if self.response is None:
+            self.closed = True
+        return False  # let the transport close
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -93,6 +103,11 @@ class _Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.response is not None
+        self.head_bytes += len(name) + len(value) + 4
+        if self.head_bytes > self.pool.max_header_bytes:
+            self.response.fail(Disconnected(f"the engine's response head exceeds {self.pool.max_header_bytes} bytes"))
+            self.close()
+            return
         self.response.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
@@ -117,7 +132,7 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes, response: Response) -> None:
         assert self.transport is not None
         self.response = response
-        self.used = True
+        self.head_bytes = 0
         self.transport.write(data)
 
     def resume(self) -> None:
@@ -134,19 +149,21 @@ class _Connection(asyncio.Protocol):
 class Response:
     """The engine's answer: ``status`` and ``headers`` once :meth:`Pool.request` returns, then the body."""
 
-    def __init__(self, conn: _Connection, deadline: float) -> None:
+    def __init__(self, conn: _Connection, silence_s: float) -> None:
         self.conn = conn
         self.status = 0
         self.headers: Headers = []
         self.head_done = False
         self.complete = False
         self.keep_alive = False
-        self.got_bytes = False
+        self.loop = asyncio.get_running_loop()
+        self.silence_s = silence_s
+        self.last_activity = self.loop.time()  # the request going out, then every byte of the answer
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_at(deadline, self._on_deadline)
+        self._timer: asyncio.TimerHandle | None = self.loop.call_at(self.last_activity + silence_s, self._on_timer)
 
     # --- what the caller sees -----------------------------------------------------------------------
 
@@ -239,9 +256,16 @@ class Response:
             self._error = error
             self._wake()
 
-    def _on_deadline(self) -> None:
+    def _on_timer(self) -> None:
+        """Fires ``silence_s`` after the last activity was seen; the timer is pushed back lazily (one
+        reschedule per silence period, not one per chunk). Paused reading is our caller's silence, not the
+        engine's."""
+        due = self.last_activity + self.silence_s
+        if self.conn.paused or due > self.loop.time():
+            self._timer = self.loop.call_at(max(due, self.loop.time() + 0.001), self._on_timer)
+            return
         self._timer = None
-        self.fail(TimeoutError("the engine did not answer within the request deadline"))
+        self.fail(TimeoutError(f"the engine sent nothing for {self.silence_s:g}s"))
         self.conn.close()
 
     def _wake(self) -> None:
@@ -273,7 +297,8 @@ class Pool:
         connect_timeout_s: float,
         max_connections: int = 1024,
         keepalive_s: float = KEEPALIVE_S,
-        on_retry: Callable[[], object] | None = None,
+        max_header_bytes: int = 64 * 1024,
+        on_stale: Callable[[], object] | None = None,
     ) -> None:
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -288,29 +313,29 @@ class Pool:
         self.connect_timeout_s = connect_timeout_s
         self.keepalive_s = keepalive_s
         self.max_connections = max_connections
+        self.max_header_bytes = max_header_bytes
         self._idle: list[_Connection] = []
         self._open = 0
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
-        self._on_retry = on_retry
+        self._on_stale = on_stale
 
     async def request(
         self, method: str, path: str, headers: Iterable[tuple[bytes, bytes]], body: bytes, timeout_s: float
     ) -> Response:
-        """Send the request and wait for the answer's head. Use the response as ``async with``."""
-        deadline = asyncio.get_running_loop().time() + timeout_s  # on the loop's clock, for call_at / timeout_at
+        """Send the request once and wait for the answer's head. Use the response as ``async with``.
+
+        ``timeout_s`` bounds getting a connection and then every silence of the engine: until the head arrives,
+        and between two chunks of the body."""
+        deadline = asyncio.get_running_loop().time() + timeout_s  # on the loop's clock, for timeout_at
         data = self._encode(method, path, headers, body)
         conn = await self._acquire(deadline)
-        response = await self._exchange(conn, data, deadline)
-        if response is not None:
-            return response
-        # A pooled keep-alive connection that the engine closed an instant ago fails before any answer arrives;
-        # the request then never got a response, so it is sent once more on a fresh connection (what browsers
-        # do). Connection refusals are not retried.
-        if self._on_retry is not None:
-            self._on_retry()
-        conn = await self._acquire(deadline, fresh=True)
-        response = await self._exchange(conn, data, deadline)
-        assert response is not None  # a fresh connection is never "stale"
+        response = Response(conn, timeout_s)
+        try:
+            conn.send(data, response)
+            await response.wait_head()
+        except BaseException:
+            response.close()
+            raise
         return response
 
     async def close(self) -> None:
@@ -332,29 +357,14 @@ class Pool:
         parts += (b"\r\n", body)
         return b"".join(parts)
 
-    async def _exchange(self, conn: _Connection, data: bytes, deadline: float) -> Response | None:
-        """The answer's head; None when a reused connection died before answering (worth one retry)."""
-        reused = conn.used
-        response = Response(conn, deadline)
-        try:
-            conn.send(data, response)
-            await response.wait_head()
-        except Disconnected:
-            response.close()
-            if reused and not response.got_bytes:
-                return None
-            raise
-        except BaseException:
-            response.close()
-            raise
-        return response
-
-    async def _acquire(self, deadline: float, fresh: bool = False) -> _Connection:
+    async def _acquire(self, deadline: float) -> _Connection:
         now = time.monotonic()
-        while self._idle and not fresh:
+        while self._idle:
             conn = self._idle.pop()
             if not conn.closed and now - conn.idle_since < self.keepalive_s:
                 return conn
+            if conn.closed and self._on_stale is not None:
+                self._on_stale()
             conn.close()
             self._open -= 1
         while self._open >= self.max_connections:
@@ -370,7 +380,7 @@ class Pool:
             finally:
                 if waiter in self._slot_waiters:
                     self._slot_waiters.remove(waiter)
-            if self._idle and not fresh:
+            if self._idle:
                 return await self._acquire(deadline)
         self._open += 1
         try:

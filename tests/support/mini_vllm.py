@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.tokenizer import HeuristicTokenizer
+from gateway.tokens.tokenizers import HeuristicTokenizer
 
 _tok = HeuristicTokenizer(4.0)
 
@@ -50,6 +50,7 @@ class State:
     cancelled: list[float] = field(default_factory=list)
     started: list[float] = field(default_factory=list)
     busy_rejections: int = 0
+    seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, raw target, x-request-id), no /debug/
 
     def used_blocks(self) -> int:
         return sum(math.ceil((a.prompt + a.generated) / self.block_size) for a in self.active.values())
@@ -240,8 +241,29 @@ async def health(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+@web.middleware
+async def record(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every request that reached the engine, with its target exactly as it arrived (what tests of the
+    gateway's routing check)."""
+    if not request.raw_path.startswith("/debug/"):
+        request.app["state"].seen.append((request.method, request.raw_path, request.headers.get("x-request-id", "")))
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+async def seen(request: web.Request) -> web.Response:
+    return web.json_response(request.app["state"].seen)
+
+
+async def any_route(request: web.Request) -> web.Response:
+    """Every other route vLLM has (admin, pooling, scoring...): answered 200, so only the gateway's routing
+    decides what a client can reach."""
+    await request.read()
+    return web.json_response({"route": request.path, "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+
+
 def make_app(args: argparse.Namespace) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[record])
     app["state"] = State(
         args.num_blocks, args.block_size, args.max_model_len, args.token_delay_ms / 1000, args.busy_after, args.model
     )
@@ -253,6 +275,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/debug/stats", stats)
     app.router.add_post("/debug/reset", reset_peak)
+    app.router.add_get("/debug/requests", seen)
+    app.router.add_route("*", "/{tail:.*}", any_route)
     return app
 
 

@@ -11,15 +11,14 @@ import pytest
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError
 from gateway.server.response import ResponseWriter
-from gateway.upstream.forwarder import Forwarder, is_engine_busy, parse_usage
-from gateway.upstream.session import UpstreamSession
+from gateway.upstream.forwarder import Forwarder, is_engine_busy, parse_usage, relayed_headers, upstream_headers
 
 BODY = orjson.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
 
 
 async def closing_server() -> tuple[asyncio.Server, list[int]]:
-    """Answers the first request on each connection with keep-alive, then resets the connection when a
-    second request arrives on it: a pooled connection the server has just given up on."""
+    """Answers the first request on each connection with keep-alive, then reads a second one and resets the
+    connection without answering it: an engine that received a request and dropped it."""
     served: list[int] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -48,7 +47,7 @@ async def closing_server() -> tuple[asyncio.Server, list[int]]:
 
 
 async def call(forwarder: Forwarder, path: str = "inference") -> tuple[Any, list[dict[str, Any]]]:
-    """One request through the hot path (``inference``, the lean client) or ``passthrough`` (aiohttp)."""
+    """One request through the generation path (``inference``) or a read-only route (``passthrough``)."""
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -64,21 +63,45 @@ async def call(forwarder: Forwarder, path: str = "inference") -> tuple[Any, list
 
 
 @pytest.mark.parametrize("path", ["inference", "passthrough"])
-async def test_a_connection_reset_before_any_response_is_retried_once(path: str) -> None:
+async def test_a_request_the_engine_received_and_dropped_is_not_sent_again(path: str) -> None:
+    """A 502 for the client, and the engine saw the request once: a generation must never run twice."""
     server, served = await closing_server()
     port = server.sockets[0].getsockname()[1]
-    metrics = GatewayMetrics()
-    session = UpstreamSession(8)
-    forwarder = Forwarder(f"http://127.0.0.1:{port}", session, metrics, timeout_s=5, connect_timeout_s=1)
-    for _ in range(3):
-        usage, sent = await call(forwarder, path)
-        assert usage is not None and usage.prompt_tokens == 3
-        assert sent[0]["status"] == 200 and b"".join(m.get("body", b"") for m in sent[1:]) == BODY
+    forwarder = Forwarder(f"http://127.0.0.1:{port}", GatewayMetrics(), timeout_s=5, connect_timeout_s=1)
+    usage, sent = await call(forwarder, path)
+    assert usage is not None and usage.prompt_tokens == 3
+    assert sent[0]["status"] == 200 and b"".join(m.get("body", b"") for m in sent[1:]) == BODY
+    with pytest.raises(GatewayError) as err:
+        await call(forwarder, path)  # the reused connection: read by the engine, then reset
+    assert err.value.status == 502 and err.value.code == "upstream_disconnected"
     await forwarder.close()
-    await session.close()
     server.close()
-    assert len(served) == 3
-    assert metrics.upstream_retries._value.get() == 2  # the 2nd and 3rd calls met a dead pooled connection
+    assert len(served) == 1  # the dropped request was not sent again on a fresh connection
+
+
+async def test_redirects_are_relayed_not_followed_and_the_target_is_sent_as_checked() -> None:
+    targets: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        targets.append(head.split(b" ")[1])
+        writer.write(b"HTTP/1.1 307 Temporary Redirect\r\nlocation: http://evil.example/x\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    forwarder = Forwarder(f"http://127.0.0.1:{port}", GatewayMetrics(), timeout_s=5, connect_timeout_s=1)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await forwarder.passthrough("GET", "/v1/models?x=%2F..", b"", [], ResponseWriter(send))
+    await forwarder.close()
+    server.close()
+    assert sent[0]["status"] == 307 and (b"location", b"http://evil.example/x") in sent[0]["headers"]
+    assert targets == [b"/v1/models?x=%2F.."]
 
 
 async def test_unreachable_engine_is_503_with_retry_after() -> None:
@@ -86,13 +109,19 @@ async def test_unreachable_engine_is_503_with_retry_after() -> None:
     port = server.sockets[0].getsockname()[1]
     server.close()
     await server.wait_closed()
-    session = UpstreamSession(8)
-    forwarder = Forwarder(f"http://127.0.0.1:{port}", session, GatewayMetrics(), timeout_s=5, connect_timeout_s=1)
+    forwarder = Forwarder(f"http://127.0.0.1:{port}", GatewayMetrics(), timeout_s=5, connect_timeout_s=1)
     with pytest.raises(GatewayError) as err:
         await call(forwarder)
     await forwarder.close()
-    await session.close()
     assert err.value.status == 503 and err.value.retry_after_s is not None
+
+
+def test_headers_named_in_connection_are_not_forwarded_either_way() -> None:
+    client = [(b"connection", b"keep-alive, X-Secret"), (b"x-secret", b"1"), (b"x-kept", b"2")]
+    up = upstream_headers(client, "rid", None)
+    assert (b"x-kept", b"2") in up and all(k.lower() not in (b"x-secret", b"connection") for k, _ in up)
+    engine = [(b"Connection", b"x-internal"), (b"X-Internal", b"1"), (b"x-fine", b"2")]
+    assert relayed_headers(engine) == [(b"x-fine", b"2")]
 
 
 def test_engine_busy_and_usage_parsing() -> None:

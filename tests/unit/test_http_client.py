@@ -111,10 +111,20 @@ class Server:
 
 @contextlib.asynccontextmanager
 async def open_pool(
-    url: str, *, max_connections: int = 1024, keepalive_s: float = 4.0, on_retry: Callable[[], object] | None = None
+    url: str,
+    *,
+    max_connections: int = 1024,
+    keepalive_s: float = 4.0,
+    on_stale: Callable[[], object] | None = None,
+    max_header_bytes: int = 64 * 1024,
 ) -> AsyncIterator[Pool]:
     pool = Pool(
-        url, connect_timeout_s=WAIT_S, max_connections=max_connections, keepalive_s=keepalive_s, on_retry=on_retry
+        url,
+        connect_timeout_s=WAIT_S,
+        max_connections=max_connections,
+        keepalive_s=keepalive_s,
+        on_stale=on_stale,
+        max_header_bytes=max_header_bytes,
     )
     try:
         yield pool
@@ -316,7 +326,7 @@ async def test_connection_refused_is_connect_failed() -> None:
         sock.bind(("127.0.0.1", 0))
         retries: list[None] = []
         async with open_pool(
-            f"http://127.0.0.1:{sock.getsockname()[1]}", max_connections=1, on_retry=lambda: retries.append(None)
+            f"http://127.0.0.1:{sock.getsockname()[1]}", max_connections=1, on_stale=lambda: retries.append(None)
         ) as pool:
             for _ in range(2):  # the failed attempt gave its slot back: the second one fails the same way
                 with pytest.raises(ConnectFailed):
@@ -331,7 +341,7 @@ async def test_garbage_instead_of_http_is_disconnected() -> None:
         await peer.until_eof()
 
     retries: list[None] = []
-    async with Server(handle) as server, open_pool(server.url, on_retry=lambda: retries.append(None)) as pool:
+    async with Server(handle) as server, open_pool(server.url, on_stale=lambda: retries.append(None)) as pool:
         with pytest.raises(Disconnected):
             await pool.request("POST", "/v1/x", [], b"", TIMEOUT_S)
         assert await observed(server.peers[0].eof)
@@ -349,7 +359,7 @@ async def test_garbage_on_a_reused_connection_is_not_retried() -> None:
         await peer.until_eof()
 
     retries: list[None] = []
-    async with Server(handle) as server, open_pool(server.url, on_retry=lambda: retries.append(None)) as pool:
+    async with Server(handle) as server, open_pool(server.url, on_stale=lambda: retries.append(None)) as pool:
         assert await get(pool) == (200, b"ok")
         with pytest.raises(Disconnected):
             await pool.request("POST", "/v1/x", [], b"", TIMEOUT_S)
@@ -455,51 +465,76 @@ async def test_the_most_recently_used_idle_connection_is_taken_first() -> None:
         assert server.connections == 2
 
 
-async def test_an_idle_connection_the_engine_just_closed_is_retried_once() -> None:
+async def test_a_request_the_engine_read_and_dropped_is_never_sent_again() -> None:
+    """Once any byte of a request went out, the engine may have it: a generation must not run twice, so the
+    failure is reported instead of retried (on a reused connection as on a fresh one)."""
+    received: list[bytes] = []
+
     async def handle(peer: Peer) -> None:
-        await peer.read_request()
-        await peer.send(response_bytes(b"served on %d" % peer.index))
-        await peer.read_request()  # the client reuses the connection: the server has just given up on it
-        peer.writer.close()
+        while (request := await peer.read_request()) is not None:
+            received.append(request)
+            if len(received) == 1:
+                await peer.send(response_bytes(b"served"))
+            else:
+                peer.writer.transport.abort()  # read it, then drop the connection without an answer
+                return
 
     retries: list[None] = []
-    async with Server(handle) as server, open_pool(server.url, on_retry=lambda: retries.append(None)) as pool:
-        assert await get(pool) == (200, b"served on 0")
-        assert retries == []
-        assert await get(pool) == (200, b"served on 1")
-        assert retries == [None]
-        assert server.connections == 2
-
-
-async def test_the_retry_on_a_fresh_connection_is_not_retried_again() -> None:
-    async def handle(peer: Peer) -> None:
-        if peer.index == 0:
-            await peer.read_request()
-            await peer.send(response_bytes(b"ok"))
-        await peer.read_request()
-        peer.writer.close()  # without an answer, on every connection from now on
-
-    retries: list[None] = []
-    async with Server(handle) as server, open_pool(server.url, on_retry=lambda: retries.append(None)) as pool:
-        assert await get(pool) == (200, b"ok")
+    async with Server(handle) as server, open_pool(server.url, on_stale=lambda: retries.append(None)) as pool:
+        assert await get(pool) == (200, b"served")
         with pytest.raises(Disconnected):
-            await get(pool)
-        assert retries == [None]
-        assert server.connections == 2
+            await get(pool)  # on the reused connection
+        assert len(received) == 2 and server.connections == 1  # the second request went out once, not twice
+        with pytest.raises(Disconnected):
+            await get(pool)  # on a fresh connection
+        assert len(received) == 3 and server.connections == 2
+        assert retries == []
 
 
-async def test_an_idle_connection_seen_closed_is_dropped_without_a_retry() -> None:
+async def test_an_idle_connection_seen_closed_is_discarded_before_anything_is_written() -> None:
     async def handle(peer: Peer) -> None:
         await peer.read_request()
         await peer.send(response_bytes(b"served on %d" % peer.index))
         peer.writer.close()  # while the connection sits idle in the pool
 
-    retries: list[None] = []
-    async with Server(handle) as server, open_pool(server.url, on_retry=lambda: retries.append(None)) as pool:
+    stale: list[None] = []
+    async with Server(handle) as server, open_pool(server.url, on_stale=lambda: stale.append(None)) as pool:
         assert await get(pool) == (200, b"served on 0")
-        await until(lambda: pool._idle[0].closed)  # the client has seen the close
+        await until(lambda: pool._idle[0].closed)  # the client has seen the close (the engine's FIN)
         assert await get(pool) == (200, b"served on 1")
-        assert retries == []
+        assert stale == [None] and server.connections == 2
+
+
+async def test_a_stream_that_keeps_talking_is_not_cut_by_the_silence_limit() -> None:
+    """The limit is on silence, not on length: chunks every 0.2 s for 1.5 s pass a 0.6 s limit."""
+
+    async def handle(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(8):
+            await asyncio.sleep(0.2)
+            await peer.send(b"1\r\nz\r\n")
+        await peer.send(b"0\r\n\r\n")
+        await peer.until_eof()
+
+    async with (
+        Server(handle) as server,
+        open_pool(server.url) as pool,
+        await pool.request("POST", "/v1/x", [], b"", 0.6) as response,
+    ):
+        assert await response.read() == b"z" * 8
+
+
+async def test_a_response_head_over_the_limit_is_refused() -> None:
+    async def handle(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(response_bytes(b"x", b"x-big: " + b"a" * 4000))
+        await peer.until_eof()
+
+    async with Server(handle) as server, open_pool(server.url, max_header_bytes=1024) as pool:
+        with pytest.raises(Disconnected, match="exceeds 1024 bytes"):
+            await get(pool)
+        assert await observed(server.peers[0].eof)
 
 
 async def test_an_idle_connection_past_keepalive_is_closed_and_not_reused() -> None:

@@ -1,0 +1,196 @@
+"""Reading a generation route's body for its cost: every route kvgate admits becomes an
+:class:`~gateway.protocol.requests.InferenceRequest` (messages or prompts, and an output budget).
+
+Chat and completions are read exactly (:mod:`gateway.protocol.requests`). The other routes are costed as the
+engine sees them, coarsely where the body does not say more:
+
+* ``/v1/responses``: ``instructions`` and ``input`` items become chat messages; ``max_output_tokens`` caps the
+  output (absent: up to the context length, as chat).
+* ``/v1/messages`` (Anthropic): ``system`` and ``messages`` become chat messages; ``max_tokens`` caps the output.
+* ``/invocations`` (SageMaker): dispatched on its body, as vLLM does: ``messages`` -> chat, ``prompt`` ->
+  completions, ``input`` -> pooling.
+* pooling routes (embeddings, ``/pooling``, ``/classify``): the inputs are prompts that produce no output tokens.
+* scoring routes (``/score``, ``/rerank``): each query/document pair is a prompt of its own, no output.
+* audio (multipart): the body is not read; the request reserves the whole context length (the decoder's own
+  limit), which is coarse but never short.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.protocol.errors import bad_request
+from gateway.protocol.requests import InferenceRequest, Prompt, parse_request
+from gateway.protocol.routes import BodyKind
+
+
+def parse_body(kind: BodyKind, raw: bytes) -> InferenceRequest:
+    if kind in ("chat", "completions"):
+        return parse_request(kind, raw)
+    if kind == "audio":
+        return InferenceRequest("completions", None, 1, None, None, [[]], None)
+    body = _object(raw)
+    if kind == "invocations":
+        if "messages" in body:
+            return parse_request("chat", raw)
+        if "prompt" in body:
+            return parse_request("completions", raw)
+        if "input" in body:
+            return _pooling(body)
+        raise bad_request("An /invocations body must carry 'messages', 'prompt' or 'input'.")
+    if kind == "responses":
+        return _responses(body)
+    if kind == "messages":
+        return _anthropic_messages(body)
+    if kind == "pooling":
+        return _pooling(body)
+    return _score(body)
+
+
+def _object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return body
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be of type str.", param="model")
+    return model
+
+
+def _budget(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise bad_request(f"'{key}' must be a positive integer.", param=key)
+    return value
+
+
+def _text(content: Any, param: str) -> str:
+    """The text of a content value: a string, or a list of parts whose text is counted (other parts, such as
+    images or tool results, count as their JSON)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise bad_request(f"{param}[{i}] must be an object.", param=f"{param}[{i}]")
+            text = part.get("text")
+            if text is not None and not isinstance(text, str):
+                raise bad_request(f"{param}[{i}].text must be a string.", param=f"{param}[{i}].text")
+            texts.append(text if text is not None else orjson.dumps(part).decode())
+        return "\n".join(texts)
+    raise bad_request(f"{param} must be a string or an array of parts.", param=param)
+
+
+def _tools(body: dict[str, Any]) -> list[Any] | None:
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad_request("'tools' must be an array.", param="tools")
+    return tools
+
+
+def _chat(body: dict[str, Any], messages: list[dict[str, Any]], max_tokens: int | None) -> InferenceRequest:
+    if not messages:
+        raise bad_request("The request has no input.", param="input")
+    return InferenceRequest("chat", _model(body), 1, max_tokens, messages, [], _tools(body))
+
+
+def _responses(body: dict[str, Any]) -> InferenceRequest:
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        messages.append({"role": "system", "content": _text(instructions, "instructions")})
+    items = body.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise bad_request(f"input[{i}] must be an object.", param=f"input[{i}]")
+            role = item.get("role")
+            if isinstance(role, str):
+                messages.append({"role": role, "content": _text(item.get("content"), f"input[{i}].content")})
+            else:  # function calls, their outputs, reasoning items: counted as their JSON
+                messages.append({"role": "user", "content": orjson.dumps(item).decode()})
+    elif items is not None:
+        raise bad_request("'input' must be a string or an array of items.", param="input")
+    return _chat(body, messages, _budget(body, "max_output_tokens"))
+
+
+def _anthropic_messages(body: dict[str, Any]) -> InferenceRequest:
+    messages: list[dict[str, Any]] = []
+    if body.get("system") is not None:
+        messages.append({"role": "system", "content": _text(body["system"], "system")})
+    listed = body.get("messages")
+    if not isinstance(listed, list) or not listed:
+        raise bad_request("'messages' must be a non-empty array.", param="messages")
+    for i, message in enumerate(listed):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string 'role'.", param=f"messages[{i}]")
+        messages.append({"role": message["role"], "content": _text(message.get("content"), f"messages[{i}].content")})
+    return _chat(body, messages, _budget(body, "max_tokens"))
+
+
+def _prompts(value: Any, param: str) -> list[Prompt]:
+    """A string, token ids, or a non-empty array of either; no empty prompt."""
+    if isinstance(value, str) and value:
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            return [value]
+        if all(isinstance(p, str) and p for p in value):
+            return list(value)
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and t >= 0 for t in p) for p in value):
+            return list(value)
+    raise bad_request(f"'{param}' must be a non-empty string, token ids, or a non-empty array of those.", param=param)
+
+
+def _pooling(body: dict[str, Any]) -> InferenceRequest:
+    """Embeddings, pooling, classification: prompts in, vectors or labels out, no output tokens."""
+    if "messages" in body and "input" not in body:
+        request = parse_request("chat", orjson.dumps(body))
+        return InferenceRequest("chat", request.model, 1, 0, request.messages, [], request.tools)
+    return InferenceRequest("completions", _model(body), 1, 0, None, _prompts(body.get("input"), "input"), None)
+
+
+def _score(body: dict[str, Any]) -> InferenceRequest:
+    """Scoring and reranking: one prompt per query/document pair (a cross-encoder reads them together)."""
+    first = next((body[k] for k in ("query", "text_1", "data_1", "queries") if k in body), None)
+    second = next((body[k] for k in ("documents", "text_2", "data_2", "items") if k in body), None)
+    firsts, seconds = _as_texts(first, "query"), _as_texts(second, "documents")
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    elif len(seconds) == 1:
+        seconds = seconds * len(firsts)
+    if len(firsts) != len(seconds):
+        raise bad_request("The two sides of a score request must pair up (one to many, or as many each).")
+    prompts: list[Prompt] = [a + "\n" + b for a, b in zip(firsts, seconds, strict=True)]
+    return InferenceRequest("completions", _model(body), 1, 0, None, prompts, None)
+
+
+def _as_texts(value: Any, param: str) -> list[str]:
+    if isinstance(value, str | dict):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise bad_request(f"'{param}' must be a string or a non-empty array.", param=param)
+    texts = []
+    for item in value:
+        if isinstance(item, str):
+            texts.append(item)
+        elif isinstance(item, dict):  # {"text": ...} documents, or multimodal content: counted as their JSON
+            text = item.get("text")
+            texts.append(text if isinstance(text, str) else orjson.dumps(item).decode())
+        else:
+            raise bad_request(f"'{param}' must hold strings or objects.", param=param)
+    return texts

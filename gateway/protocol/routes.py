@@ -1,0 +1,105 @@
+"""Which requests kvgate forwards, decided on the raw request target. Pure.
+
+kvgate is the only public door to the engine, so it forwards by allow-list: a route it knows, on its exact
+canonical path, with a method that route takes. Nothing is normalised: a target that would only match after
+decoding (``%2F``, ``%3F``, ``%2E``), after removing dot segments or doubled slashes, or with a trailing slash is
+refused with 400 and never reaches the engine. The upstream request line is the canonical path as received plus
+the query string, so what kvgate checked is exactly what the engine routes on.
+
+Routes come from vLLM's own router (checked against the engine in ``tests/e2e``):
+
+* generation routes go through admission (each parsed for a cost, even a coarse one);
+* read-only routes pass through under the same auth;
+* everything else (admin and debug routes such as ``/reset_prefix_cache``, ``/sleep``, ``/collective_rpc``,
+  ``/v1/load_lora_adapter``, the engine's ``/metrics``, anything unknown) is 404 unless the config lists the
+  exact path in ``passthrough.allow``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.protocol.errors import GatewayError
+
+# How a generation route's body is read for its cost (see gateway.protocol.bodies).
+BodyKind = Literal["chat", "completions", "responses", "messages", "invocations", "pooling", "score", "audio"]
+RouteKind = Literal["generation", "read_only", "allowed"]
+
+GENERATION: dict[str, BodyKind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/invocations": "invocations",
+    "/v1/embeddings": "pooling",
+    "/pooling": "pooling",
+    "/classify": "pooling",
+    "/score": "score",
+    "/v1/score": "score",
+    "/rerank": "score",
+    "/v1/rerank": "score",
+    "/v2/rerank": "score",
+    "/v1/audio/transcriptions": "audio",
+    "/v1/audio/translations": "audio",
+}
+READ_ONLY: dict[str, frozenset[str]] = {
+    "/v1/models": frozenset({"GET"}),
+    "/tokenize": frozenset({"POST"}),
+    "/detokenize": frozenset({"POST"}),
+    "/version": frozenset({"GET"}),
+    "/health": frozenset({"GET"}),
+    "/ping": frozenset({"GET", "POST"}),
+    "/load": frozenset({"GET"}),
+}
+# Methods an allow-listed admin path may use. HEAD is left out: its answer has a length but no body.
+ALLOWED_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    kind: RouteKind
+    path: str  # the canonical path, exactly as received
+    body: BodyKind | None = None  # generation routes only
+
+
+def is_canonical(path: str) -> bool:
+    """An absolute path with nothing to decode or normalise: no ``%``, no empty, ``.`` or ``..`` segment, no
+    trailing slash, no ``\\``, printable ASCII only."""
+    if not path.startswith("/") or path == "/":
+        return path == "/"
+    if any(c in path for c in "%\\?#") or not path.isascii() or not path.isprintable():
+        return False
+    return all(segment not in ("", ".", "..") for segment in path[1:].split("/"))
+
+
+def route(method: str, raw_path: str, allowed: frozenset[str]) -> Route:
+    """The route for ``method raw_path``, or a GatewayError: 400 non-canonical, 404 unknown, 405 wrong method."""
+    if not is_canonical(raw_path):
+        raise GatewayError(
+            400,
+            "The request path is not in canonical form (percent-encoding, dot segments, '//' or a trailing '/').",
+            code="invalid_path",
+        )
+    body = GENERATION.get(raw_path)
+    if body is not None:
+        _check_method(method, frozenset({"POST"}))
+        return Route("generation", raw_path, body)
+    methods = READ_ONLY.get(raw_path)
+    if methods is not None:
+        _check_method(method, methods)
+        return Route("read_only", raw_path)
+    if raw_path in allowed:
+        _check_method(method, ALLOWED_METHODS)
+        return Route("allowed", raw_path)
+    raise GatewayError(404, f"No route {raw_path} on this gateway.", code="not_found")
+
+
+def _check_method(method: str, allowed: frozenset[str]) -> None:
+    if method not in allowed:
+        raise GatewayError(
+            405,
+            f"Method {method} is not allowed here; use {', '.join(sorted(allowed))}.",
+            code="method_not_allowed",
+            extra_headers=[(b"allow", ", ".join(sorted(allowed)).encode())],
+        )
