@@ -59,7 +59,9 @@ class Gateway:
         self.controller = AdmissionController(config.admission, override)
         self.admitter = Admitter(self.controller, self.metrics, clock)
         self.policy = self._policy(config, version=1)
-        self.counters = TenantCounters(config.redis, self.metrics, clock)
+        self.counters = TenantCounters(
+            config.redis, self.metrics, clock, default_max_waiters=config.admission.queue_max_length
+        )
         self.session = UpstreamSession(config.upstream.max_connections)
         self.forwarder = Forwarder(
             config.upstream.url,
@@ -166,6 +168,7 @@ class Gateway:
             return
         self.draining = True
         self.admitter.fail_all_queued(shutting_down)
+        self.counters.fail_waiters(shutting_down)  # and those waiting for a tenant slot; later ones: see RequestPath
         log.info("draining: %d request(s) in flight", self.active_requests)
 
     async def drained(self, deadline_s: float) -> bool:

@@ -130,6 +130,8 @@ class RequestPath:
         # 4. rate limit (pre-charges prompt + reserved output; shared across replicas when Redis is configured)
         await exchange.charge_rate_limits(policy.resolve(tenant, request.model), cost)
         # 5. take a concurrency slot of the tenant, then admit, or wait in the queue, or be turned away
+        if self.draining():  # a drain began while this one was being read or tokenized: it holds nothing yet
+            raise shutting_down(1.0)
         await exchange.take_slot()
         await exchange.admit()
         # 6. forward and stream

@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.support.scrape import assert_ledger_empty, scrape
+from tests.support.promtext import assert_ledger_empty, scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -80,4 +80,5 @@ def test_disconnect_while_queued_leaves_the_queue(mini_vllm: Callable[..., str],
     wait_for(lambda: scrape(gw)["kvgate_inflight_requests"] == 0)
     m = assert_ledger_empty(gw)
     assert m["kvgate_client_disconnects_total{stage=queued}"] == 1
+    assert m.get("kvgate_client_disconnects_total{stage=waiting}", 0) == 0  # counted once, where it happened
     assert m["kvgate_requests_admitted_total"] == 1
