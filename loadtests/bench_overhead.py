@@ -11,8 +11,8 @@ added latency is mostly that contention (Little's law), not time spent inside th
 gateway gets a core of its own and the client and the engine share the others, as in production where the
 sidecar has its own CPU request and the engine its own cores.
 
-    python loadtests/bench_overhead.py                 # full run: c=1,32,128, stream and non-stream, both layouts
-    python loadtests/bench_overhead.py --quick         # smoke run
+    python3 -m loadtests.bench_overhead                # full run: c=1,32,128, stream and non-stream, both layouts
+    python3 -m loadtests.bench_overhead --quick        # smoke run
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +27,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.support.procs import start_gateway, start_mini_vllm  # noqa: E402
+from tests.support.procs import start_gateway, start_mini_vllm
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -97,18 +93,16 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def bench(args: argparse.Namespace) -> str:
-    upstream_proc, upstream = start_mini_vllm(num_blocks=100000, block_size=16, token_delay_ms=0)
-    gw_proc, gw = start_gateway(upstream, {"tokenizer": "heuristic", "log_level": "warning"})
     rows = []
-    try:
+    with (
+        start_mini_vllm(num_blocks=100000, block_size=16, token_delay_ms=0) as upstream,
+        start_gateway(upstream.url, {"tokenizer": "heuristic", "log_level": "warning"}) as gw,
+    ):
         for layout, (others, gateway_cores) in layouts(args.layout).items():
             pin(os.getpid(), others)
-            pin(upstream_proc.popen.pid, others)
-            pin(gw_proc.popen.pid, gateway_cores)
-            rows += await _layout_rows(args, layout, upstream, gw, gw_proc.popen.pid)
-    finally:
-        gw_proc.stop()
-        upstream_proc.stop()
+            pin(upstream.pid, others)
+            pin(gw.pid, gateway_cores)
+            rows += await _layout_rows(args, layout, upstream.url, gw.url, gw.pid)
     return _table(rows, args)
 
 

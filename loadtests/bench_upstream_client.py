@@ -1,18 +1,17 @@
 """Which HTTP client should carry the gateway's upstream calls? Measured, not guessed (encode/httpx #3215).
 
 One process, one fast local upstream, the same streamed and non-streamed requests through kvgate's own lean
-client (``gateway.http_client``, which carries the inference hot path), aiohttp (which carries everything
+client (``gateway.upstream.http_client``, which carries the inference hot path), aiohttp (which carries everything
 else) and httpx (default transport), rounds interleaved. Reports this process's CPU ms per request for each
 client, which is what the choice costs the gateway on every proxied request.
 
-    python loadtests/bench_upstream_client.py [--requests 2000 --rounds 4 --concurrency 16]
+    python3 -m loadtests.bench_upstream_client [--requests 2000 --rounds 4 --concurrency 16]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -21,9 +20,7 @@ import aiohttp
 import httpx
 import orjson
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gateway.http_client import Pool
+from gateway.upstream.http_client import Pool
 from tests.support.procs import start_mini_vllm
 
 Client = Callable[[str, bytes, bool], Awaitable[None]]
@@ -42,7 +39,8 @@ async def measure(call: Client, url: str, body: bytes, stream: bool, n: int, con
 
 
 async def main_async(args: argparse.Namespace) -> str:
-    proc, upstream = start_mini_vllm(num_blocks=100000, token_delay_ms=0)
+    proc = start_mini_vllm(num_blocks=100000, token_delay_ms=0)
+    upstream = proc.url
     url = upstream + "/v1/completions"
     headers = {"content-type": "application/json"}
     aio = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency), auto_decompress=False)

@@ -24,9 +24,9 @@ from typing import Any
 import yaml
 
 from loadtests import runner
-from loadtests.procs import Proc, start_gateway, start_sim
 from loadtests.scenario import Scenario
 from loadtests.stats import RequestRecord, Sample, summarize, to_engine_time
+from tests.support.procs import Proc, start_gateway, start_sim
 
 ARMS = ("direct", "kvgate", "vllm-queue")
 OOM_LINE = re.compile(r"CUDA out of memory")
@@ -85,7 +85,7 @@ def targets(scenario: Scenario, arm: str, out: Path) -> Iterator[tuple[Proc, Pro
             return
         cfg_path = out / "kvgate.yaml"
         cfg_path.write_text(yaml.safe_dump(gateway_config(scenario, sim.url), sort_keys=False))
-        with start_gateway(sim.url, cfg_path, out / "kvgate.log") as gw:
+        with start_gateway(sim.url, cfg_path, tokenizer="heuristic", log_path=out / "kvgate.log") as gw:
             yield sim, gw
 
 

@@ -4,10 +4,8 @@ backend's /metrics (and the gateway's, when there is one) at 20 Hz real time, fr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
-import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -17,9 +15,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from loadtests.promtext import read_series
 from loadtests.scenario import Arrival
 from loadtests.stats import RequestRecord, Sample
+from tests.support.sampler import Sampler
 
 SAMPLE_HZ = 20.0
 BACKEND_SERIES = {
@@ -59,7 +57,11 @@ class Clock:
         self.t0 = time.monotonic()
 
     def now(self) -> float:
-        return (time.monotonic() - self.t0) / self.scale
+        return self.at(time.monotonic())
+
+    def at(self, monotonic: float) -> float:
+        """The simulated time of a ``time.monotonic()`` reading."""
+        return (monotonic - self.t0) / self.scale
 
     async def sleep_until(self, t: float) -> None:
         await asyncio.sleep(max(0.0, t * self.scale - (time.monotonic() - self.t0)))
@@ -133,20 +135,6 @@ def _error_code(body: bytes) -> str:
         return "non-json"
 
 
-SCRAPE_TIMEOUT_S = 2.0  # real seconds; a scrape that takes longer counts as the backend being down
-MAX_IN_FLIGHT = 8  # scrapes of one target outstanding at once; beyond that a tick is skipped (and missing)
-
-
-async def _scrape(session: aiohttp.ClientSession, url: str, wanted: set[str]) -> dict[str, float] | None:
-    try:
-        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as r:
-            if r.status == 200:
-                return read_series(await r.text(), wanted)
-    except (TimeoutError, aiohttp.ClientError):
-        pass
-    return None
-
-
 def _backend_sample(t: float, v: dict[str, float] | None) -> Sample:
     if v is None:
         return Sample(t, up=False)
@@ -164,127 +152,32 @@ def _backend_sample(t: float, v: dict[str, float] | None) -> Sample:
     )
 
 
-async def sample_loop(
-    session: aiohttp.ClientSession,
-    backend: str,
-    gateway: str | None,
-    clock: Clock,
-    out: list[Sample],
-    stop: asyncio.Event,
-) -> None:
-    """Scrape the backend (and, independently, the gateway) on a fixed 1/SAMPLE_HZ real-second schedule.
+class MetricsSampler:
+    """The shared 20 Hz sampler (tests/support/sampler.py) on the backend and, if any, the gateway; its readings
+    become ``Sample``s on the run's clock.
 
-    Each tick starts its scrapes as tasks and does not wait for them, so one slow answer (a simulator busy
-    with a large step, or starved of CPU) delays only its own sample, not the schedule. A successful sample
-    is stamped when its answer arrives (the simulator renders /metrics when it handles the request); a
-    failed one when it was sent. The gateway's queue depth is merged in afterwards: each backend sample
-    gets the latest gateway answer received before it.
-    """
-    period = 1.0 / SAMPLE_HZ
-    backend_out: list[Sample] = []
-    gateway_out: list[tuple[float, float]] = []
-    in_flight: dict[str, set[asyncio.Task[None]]] = {"b": set(), "g": set()}
-
-    async def one_backend() -> None:
-        sent = clock.now()
-        v = await _scrape(session, backend, BACKEND_SERIES)
-        backend_out.append(_backend_sample(clock.now() if v is not None else sent, v))
-
-    async def one_gateway() -> None:
-        assert gateway is not None
-        g = await _scrape(session, gateway, GATEWAY_SERIES)
-        if g is not None:
-            gateway_out.append((clock.now(), g.get("kvgate_queue_depth", math.nan)))
-
-    def launch(key: str, fn: Any) -> None:
-        if len(in_flight[key]) >= MAX_IN_FLIGHT:
-            return
-        task = asyncio.create_task(fn())
-        in_flight[key].add(task)
-        task.add_done_callback(in_flight[key].discard)
-
-    next_at = time.monotonic()
-    while not stop.is_set():
-        launch("b", one_backend)
-        if gateway:
-            launch("g", one_gateway)
-        next_at = max(next_at + period, time.monotonic() - period)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), max(0.0, next_at - time.monotonic()))
-    pending = in_flight["b"] | in_flight["g"]
-    if pending:
-        await asyncio.wait(pending)
-    backend_out.sort(key=lambda s: s.t)
-    gateway_out.sort()
-    gi, latest = 0, math.nan
-    for s in backend_out:
-        while gi < len(gateway_out) and gateway_out[gi][0] <= s.t:
-            latest = gateway_out[gi][1]
-            gi += 1
-        s.gateway_queue = latest
-    out.extend(backend_out)
-
-
-def _sampler_main(
-    backend: str,
-    gateway: str | None,
-    t0: float,
-    time_scale: float,
-    ready: Any,
-    stop: Any,
-    results: Any,
-) -> None:
-    """Body of the sampler process: its own interpreter and event loop, so hundreds of streaming clients in
-    the harness process cannot delay a scrape. Times are taken against the parent's ``t0`` (CLOCK_MONOTONIC is
-    system-wide on Linux), so samples and request records share one time base."""
-
-    async def main() -> list[Sample]:
-        clock = Clock(time_scale)
-        clock.t0 = t0
-        out: list[Sample] = []
-        stop_event = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.run_in_executor(None, lambda: (stop.wait(), loop.call_soon_threadsafe(stop_event.set)))
-        conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
-            ready.set()
-            await sample_loop(session, backend, gateway, clock, out, stop_event)
-        return out
-
-    results.put(asyncio.run(main()))
-
-
-class SamplerProcess:
-    """``/metrics`` sampling in a separate process (``spawn``ed, so it shares nothing with the harness's loop).
-
-    Run inline on the harness's event loop the sampler fell below 10 Hz when hundreds of streams were being
-    parsed in the same loop; in its own process it holds ~20 Hz (``sample_hz_real`` in each summary)."""
+    A backend scrape that fails or takes over 2 s is a sample with the backend down. The gateway's queue depth
+    is merged in afterwards: each backend sample carries the latest gateway answer received before it."""
 
     def __init__(self, backend: str, gateway: str | None, clock: Clock) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._ready = ctx.Event()
-        self._stop = ctx.Event()
-        self._results: Any = ctx.Queue()
-        self._proc = ctx.Process(
-            target=_sampler_main,
-            args=(backend, gateway, clock.t0, clock.scale, self._ready, self._stop, self._results),
-            daemon=True,
-        )
+        self._clock = clock
+        targets = [(backend, BACKEND_SERIES)] + ([(gateway, GATEWAY_SERIES)] if gateway else [])
+        self._sampler = Sampler(targets, SAMPLE_HZ)
 
     async def start(self) -> None:
-        self._proc.start()
-        loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + 60.0
-        while not await loop.run_in_executor(None, self._ready.wait, 0.2):
-            if not self._proc.is_alive() or time.monotonic() > deadline:
-                self._proc.kill()
-                raise RuntimeError(f"the /metrics sampler process did not start (exit {self._proc.exitcode})")
+        await asyncio.to_thread(self._sampler.start)
 
     async def stop(self) -> list[Sample]:
-        self._stop.set()
-        loop = asyncio.get_running_loop()
-        samples: list[Sample] = await loop.run_in_executor(None, self._results.get, True, 60.0)
-        await loop.run_in_executor(None, self._proc.join, 10.0)
+        backend, *gateway = await asyncio.to_thread(self._sampler.stop)
+        sim_time = self._clock.at
+        samples = [_backend_sample(sim_time(t), v) for t, v in backend]
+        queue = [(sim_time(t), v["kvgate_queue_depth"]) for t, v in (gateway[0] if gateway else []) if v is not None]
+        gi, latest = 0, math.nan
+        for s in samples:
+            while gi < len(queue) and queue[gi][0] <= s.t:
+                latest = queue[gi][1]
+                gi += 1
+            s.gateway_queue = latest
         return samples
 
 
@@ -303,7 +196,7 @@ async def run(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         clock = Clock(time_scale)
-        sampler = SamplerProcess(backend_metrics, gateway_metrics, clock)
+        sampler = MetricsSampler(backend_metrics, gateway_metrics, clock)
         await sampler.start()
         # Bodies are built before the run starts, so a burst leaves at once instead of waiting for the
         # harness to serialize hundreds of long prompts.
@@ -341,7 +234,7 @@ async def closed_loop(
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
         clock = Clock(time_scale)
-        sampler = SamplerProcess(backend_metrics, None, clock)
+        sampler = MetricsSampler(backend_metrics, None, clock)
         await sampler.start()
         records: list[RequestRecord] = []
         ids = iter(range(10**9))

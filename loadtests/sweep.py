@@ -31,9 +31,9 @@ from typing import Any
 from loadtests import runner
 from loadtests.bound import closed_loop_capacity
 from loadtests.compare import model_name
-from loadtests.procs import start_sim
 from loadtests.scenario import Arrival, Scenario
 from loadtests.stats import Sample, counter_increase, to_engine_time
+from tests.support.procs import start_sim
 
 
 def window_rates(samples: list[Sample], t0: float, t1: float, blocks: int) -> tuple[float, list[float]]:

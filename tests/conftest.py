@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -19,18 +20,16 @@ def procs() -> Iterator[list[Proc]]:
 @pytest.fixture
 def mini_vllm(procs: list[Proc]) -> Callable[..., str]:
     def start(**opts: object) -> str:
-        proc, url = start_mini_vllm(**opts)
-        procs.append(proc)
-        return url
+        procs.append(start_mini_vllm(**opts))
+        return procs[-1].url
 
     return start
 
 
 @pytest.fixture
 def gateway(procs: list[Proc]) -> Callable[..., str]:
-    def start(upstream: str, config: dict[str, object] | None = None, **kw: object) -> str:
-        proc, url = start_gateway(upstream, config, **kw)  # type: ignore[arg-type]
-        procs.append(proc)
-        return url
+    def start(upstream: str, config: dict[str, object] | None = None, **kw: Any) -> str:
+        procs.append(start_gateway(upstream, config, **kw))
+        return procs[-1].url
 
     return start

@@ -18,6 +18,7 @@ import orjson
 import pytest
 
 procs_mod = pytest.importorskip("tests.support.procs", reason="tests/support/procs.py not importable")
+promtext = pytest.importorskip("tests.support.promtext", reason="tests/support/promtext.py not importable")
 
 pytestmark = pytest.mark.e2e
 
@@ -36,14 +37,13 @@ def sse_events(lines: Iterator[str]) -> Iterator[dict[str, object] | str]:
 def test_sigterm_mid_stream_drains_then_exits(procs: list[object]) -> None:
     # 16 blocks of 16 tokens: the stream reserves 8 blocks, so a second request of 8 blocks must queue
     # (projected 16/16 > the 0.90 high watermark).
-    engine, upstream = procs_mod.start_mini_vllm(
-        token_delay_ms=TOKEN_DELAY_MS, num_blocks=16, block_size=16, max_model_len=256
-    )
+    engine = procs_mod.start_mini_vllm(token_delay_ms=TOKEN_DELAY_MS, num_blocks=16, block_size=16, max_model_len=256)
     procs.append(engine)
-    gw, url = procs_mod.start_gateway(
-        upstream, {"tokenizer": "heuristic"}, extra_args=["--drain-timeout", str(DRAIN_TIMEOUT_S)]
+    gw = procs_mod.start_gateway(
+        engine.url, {"tokenizer": "heuristic"}, extra_args=["--drain-timeout", str(DRAIN_TIMEOUT_S)]
     )
     procs.append(gw)
+    url = gw.url
 
     queued: dict[str, httpx.Response] = {}
 
@@ -68,8 +68,7 @@ def test_sigterm_mid_stream_drains_then_exits(procs: list[object]) -> None:
         # Let the second request reach the queue: the gateway reports it in kvgate_queue_depth.
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            metrics = httpx.get(url + "/metrics", timeout=5).text
-            if "kvgate_queue_depth 1.0" in metrics:
+            if promtext.metric_sum(promtext.scrape(url), "kvgate_queue_depth", default=0.0) == 1:
                 break
             time.sleep(0.05)
         else:
@@ -96,7 +95,7 @@ def test_sigterm_mid_stream_drains_then_exits(procs: list[object]) -> None:
     gw.popen.wait(timeout=DRAIN_TIMEOUT_S + 10)
     took = time.monotonic() - sigterm_at
     # uvicorn re-raises the SIGTERM it caught once shutdown is complete: exit status 143 is a clean drain.
-    assert gw.popen.returncode in (0, -signal.SIGTERM), gw.output()
-    assert "Application shutdown complete" in gw.output()
+    assert gw.popen.returncode in (0, -signal.SIGTERM), gw.log_tail()
+    assert "Application shutdown complete" in gw.log()
     # It waited for the stream (about 2.4 s from its start), not for the whole deadline.
     assert took < DRAIN_TIMEOUT_S / 2, f"exit took {took:.1f}s"

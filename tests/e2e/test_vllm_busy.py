@@ -22,7 +22,8 @@ import openai
 import pytest
 
 from tests.e2e.vllm_cpu.engine import MODEL_NAME, VllmEngine, missing, model_dir
-from tests.e2e.vllm_cpu.kvgate_proc import Kvgate
+from tests.support.procs import Proc, start_gateway
+from tests.support.promtext import metric_sum, scrape
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
@@ -39,10 +40,15 @@ def engine() -> Iterator[VllmEngine]:
 
 
 @pytest.fixture(scope="module")
-def gateway(engine: VllmEngine) -> Iterator[Kvgate]:
+def gateway(engine: VllmEngine) -> Iterator[Proc]:
     # Small requests: KV admission lets every one of them through, so the engine's own limit is what bites.
-    with Kvgate(engine.base_url, {}, tokenizer=f"hf:{model_dir()}") as gw:
+    with start_gateway(engine.base_url, {}, tokenizer=f"hf:{model_dir()}") as gw:
         yield gw
+
+
+def busy_rejections(gw: Proc, form: str) -> float:
+    """kvgate_upstream_busy_total{form=...} (0 before the first rejection of that form)."""
+    return metric_sum(scrape(gw.url, timeout_s=10), "kvgate_upstream_busy_total", default=0.0, form=form)
 
 
 def _body(i: int, stream: bool) -> dict[str, Any]:
@@ -128,11 +134,11 @@ async def _sdk_burst(base_url: str, stream: bool) -> list[BaseException | int]:
 
 
 @pytest.mark.parametrize(("stream", "form"), [(False, "status"), (True, "sse")], ids=["plain-503", "sse-error"])
-def test_kvgate_turns_engine_busy_into_openai_503(gateway: Kvgate, stream: bool, form: str) -> None:
+def test_kvgate_turns_engine_busy_into_openai_503(gateway: Proc, stream: bool, form: str) -> None:
     forms = ("status", "sse")
-    seen0 = {f: gateway.metric("kvgate_upstream_busy_total", form=f) for f in forms}
-    results = asyncio.run(_sdk_burst(gateway.base_url, stream))
-    seen = {f: gateway.metric("kvgate_upstream_busy_total", form=f) - seen0[f] for f in forms}
+    seen0 = {f: busy_rejections(gateway, f) for f in forms}
+    results = asyncio.run(_sdk_burst(gateway.url, stream))
+    seen = {f: busy_rejections(gateway, f) - seen0[f] for f in forms}
 
     served = [r for r in results if isinstance(r, int)]
     rejected = [r for r in results if isinstance(r, openai.APIStatusError)]
@@ -148,5 +154,5 @@ def test_kvgate_turns_engine_busy_into_openai_503(gateway: Kvgate, stream: bool,
     assert seen[form] > 0, f"no busy rejection of form {form!r} was met: {seen}"
     if not stream:
         assert seen["sse"] == 0, seen
-    ready = gateway.readyz()
+    ready = httpx.get(f"{gateway.url}/readyz", timeout=5).json()
     assert ready["inflight"] == 0 and ready["queue_depth"] == 0

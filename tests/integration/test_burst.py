@@ -9,8 +9,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from tests.support.promtext import assert_ledger_empty
 from tests.support.rawhttp import burst
-from tests.support.scrape import assert_ledger_empty
 
 pytestmark = pytest.mark.e2e
 

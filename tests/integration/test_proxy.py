@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.scrape import assert_ledger_empty, scrape
+from tests.support.promtext import assert_ledger_empty, scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -126,7 +126,7 @@ def test_sdk_backs_off_on_429_retry_after(mini_vllm: Callable[..., str], gateway
     out = client.completions.create(model="mini", prompt="x", max_tokens=304)
     assert out.choices[0].text == " tok" * 304
     m = scrape(gw)
-    assert m["kvgate_requests_rejected_total{reason=rate_limited}"] >= 2  # the raw one and the SDK's first try
+    assert m["kvgate_requests_rejected_total{reason=rate_limit_exceeded}"] >= 2  # the raw one and the SDK's first try
     assert_ledger_empty(gw)
 
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.procs import Proc, start_gateway_with_file
-from tests.support.scrape import assert_ledger_empty, parse_metrics, scrape
+from tests.support.procs import Proc, start_gateway
+from tests.support.promtext import assert_ledger_empty, parse_metrics, scrape
 from tests.support.tenant_http import Reply, completion, post
 
 pytestmark = pytest.mark.e2e
@@ -90,7 +90,7 @@ def test_equal_weights_flooder_gets_half_the_tokens(
     finally:
         stop.set()
         watcher.join()
-    assert {r.status for r in replies} == {200}, procs[-1].output()
+    assert {r.status for r in replies} == {200}, procs[-1].log_tail()
     # Sum what each tenant was admitted between consecutive snapshots in which both had requests waiting.
     depth = "kvgate_tenant_queue_depth{tenant=%s}"
     admitted = "kvgate_tenant_admitted_tokens_total{priority=standard,tenant=%s}"
@@ -187,8 +187,8 @@ def test_reload_under_load_loses_no_request(mini_vllm: Callable[..., str], procs
 
     _configmap_version(tmp_path, "..v1", config(100_000))
     os.symlink("..data/kvgate.yaml", tmp_path / "kvgate.yaml")
-    proc, url = start_gateway_with_file(upstream, tmp_path / "kvgate.yaml")  # the ConfigMap-style symlink
-    procs.append(proc)
+    procs.append(start_gateway(upstream, tmp_path / "kvgate.yaml"))  # the ConfigMap-style symlink
+    url = procs[-1].url
 
     async def go() -> list[Reply]:
         replies: list[Reply] = []

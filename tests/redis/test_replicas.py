@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from tests.redis.conftest import RedisServer
-from tests.support.scrape import assert_ledger_empty, scrape
+from tests.support.promtext import assert_ledger_empty, scrape
 from tests.support.tenant_http import Reply, completion, post
 
 pytestmark = [pytest.mark.redis, pytest.mark.e2e]

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from loadtests.procs import Proc, start_sim  # noqa: E402
+from tests.support.procs import Proc, start_sim
 
 StartSim = Callable[..., Proc]
 

@@ -8,7 +8,7 @@ import time
 from gateway.sim.config import preset
 from gateway.sim.engine import Engine, SimRequest, TokenEvent
 from gateway.sim.server import SimServer
-from gateway.tokenizer import load_tokenizer
+from gateway.tokens.tokenizers import load_tokenizer
 
 SCALE = 0.01
 OVERHEAD_REAL_S = 0.004  # real seconds burnt after every step: 0.4 simulated seconds at SCALE

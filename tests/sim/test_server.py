@@ -13,6 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.sim.conftest import StartSim
+from tests.support.promtext import metric_sum, parse_metrics
 
 REFERENCE = Path(__file__).resolve().parent / "reference"  # real vLLM 0.32 /metrics samples
 MODEL = "llama3-8b"
@@ -20,6 +21,7 @@ FAST = ("--time-scale", "0.02")
 
 
 def families(text: str) -> dict[str, list[tuple[str, dict[str, str], float]]]:
+    """By family, with prometheus_client's own parser: the exposition must be one it reads as vLLM's."""
     out: dict[str, list[tuple[str, dict[str, str], float]]] = {}
     for fam in text_string_to_metric_families(text):
         out[fam.name] = [(s.name, dict(s.labels), s.value) for s in fam.samples]
@@ -27,11 +29,8 @@ def families(text: str) -> dict[str, list[tuple[str, dict[str, str], float]]]:
 
 
 def metric(text: str, name: str, **labels: str) -> float:
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    raise KeyError(name)
+    """One series of a scrape (KeyError if the simulator does not export it)."""
+    return metric_sum(parse_metrics(text), name, **labels)
 
 
 async def burst(url: str, n: int, prompt_len: int, max_tokens: int, stream: bool = False) -> list[httpx.Response]:

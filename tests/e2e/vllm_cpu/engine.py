@@ -1,11 +1,11 @@
 """Start and stop a real vLLM CPU engine serving the tiny model on a free 127.0.0.1 port.
 
 From pytest: ``with VllmEngine(blocks=256) as engine: engine.base_url ...``.
-By hand (any python; the engine itself runs in the venv that setup.sh builds)::
+By hand, from the repository root (any python; the engine itself runs in the venv that setup.sh builds)::
 
-    python3 tests/e2e/vllm_cpu/engine.py run [--blocks 256] [--port 8000] [-- EXTRA_VLLM_ARGS]   # foreground
-    python3 tests/e2e/vllm_cpu/engine.py up [--blocks 256] [-- EXTRA_VLLM_ARGS]   # background, prints URL
-    python3 tests/e2e/vllm_cpu/engine.py down                                     # stops what `up` started
+    python3 -m tests.e2e.vllm_cpu.engine run [--blocks 256] [--port 8000] [-- EXTRA_VLLM_ARGS]   # foreground
+    python3 -m tests.e2e.vllm_cpu.engine up [--blocks 256] [-- EXTRA_VLLM_ARGS]   # background, prints URL
+    python3 -m tests.e2e.vllm_cpu.engine down                                     # stops what `up` started
 
 Flags that matter on these CPU machines (see docs/vllm-cpu.md): ``--kv-cache-memory-bytes`` because vLLM's
 default sizing reads NUMA node 0 and fails; ``--num-gpu-blocks-override`` to size the KV pool exactly, which
@@ -25,13 +25,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-try:
-    from .procs import ManagedProcess, free_port, http_status, kill_tree
-except ImportError:  # run as a script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from procs import ManagedProcess, free_port, http_status, kill_tree  # type: ignore[no-redef]
+from tests.support.procs import REPO, Proc, free_port, kill_tree
 
-REPO = Path(__file__).resolve().parents[3]
 MODEL_NAME = "tiny-llama"
 # The tiny model: 2 layers x (K and V) x 2 KV heads x head_dim 32 x 2 bytes (bf16) per token.
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 2
@@ -100,7 +95,7 @@ class VllmEngine:
         self.requested_port = port
         self.name = name
         self.port = 0
-        self.process: ManagedProcess | None = None
+        self.process: Proc | None = None
 
     @property
     def base_url(self) -> str:
@@ -137,10 +132,12 @@ class VllmEngine:
         for attempt in range(3):
             self.port = self.requested_port or free_port()
             log = root_dir() / "logs" / f"{self.name}-{self.port}.log"
-            self.process = ManagedProcess(self.name, self.argv(self.port), engine_env(), log)
-            self.process.start()
+            # a 15 s grace: the API server stops its EngineCore and Worker before it exits
+            self.process = Proc(
+                self.name, self.argv(self.port), url=self.base_url, env=engine_env(), log_path=log, grace_s=15.0
+            )
             try:
-                self.process.wait_until(lambda: http_status(f"{self.base_url}/health") == 200, timeout_s, "healthy")
+                self.process.start().wait_ready("/health", timeout_s)
                 return self
             except RuntimeError:
                 self.process.stop()
@@ -212,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vLLM ready at {engine.base_url} (model {MODEL_NAME}) in {time.monotonic() - t0:.0f} s", flush=True)
     print(f"log: {engine.process.log_path}", flush=True)
     if args.action == "up":
-        print("stop it with: python3 tests/e2e/vllm_cpu/engine.py down")
+        print("stop it with: python3 -m tests.e2e.vllm_cpu.engine down")
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
