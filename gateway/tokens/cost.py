@@ -1,8 +1,10 @@
 """Cost estimation: how many KV blocks a request can occupy at its peak.
 
 vLLM allocates KV memory in fixed-size blocks of ``block_size`` tokens per sequence. A sequence's peak is
-``ceil((prompt + output) / block_size)`` blocks; ``n`` (or ``best_of``) sequences each hold their own. When a
-request gives no ``max_tokens``, vLLM lets it run to ``max_model_len``, so that is what we reserve.
+``ceil((prompt + output) / block_size)`` blocks; ``n`` (or ``best_of``) sequences each hold their own. Each
+prompt's output budget is vLLM's own (``get_max_tokens``): the request's ``max_tokens`` (or the route's default,
+16 for completions, none for chat), never more than ``max_model_len`` minus that prompt. A request whose
+``max_tokens`` runs past the context is clamped by vLLM, not refused, so it is clamped here too.
 
 This module is pure arithmetic: token *counting* happens in :mod:`gateway.tokens.tokenizers`.
 """
@@ -25,12 +27,18 @@ class KvGeometry:
 
 @dataclass(frozen=True, slots=True)
 class RequestCost:
-    """What one request may occupy: ``sequences`` copies of each prompt, each growing by ``max_output``."""
+    """What one request may occupy: ``sequences`` copies of each prompt, each growing by its output budget
+    (``outputs``, one per prompt; all ``max_output`` when not given)."""
 
     prompt_tokens: tuple[int, ...]
     sequences_per_prompt: int
-    max_output: int
+    max_output: int  # the largest output budget of any prompt
     blocks: int
+    outputs: tuple[int, ...] | None = None
+
+    @property
+    def output_budgets(self) -> tuple[int, ...]:
+        return self.outputs if self.outputs is not None else (self.max_output,) * len(self.prompt_tokens)
 
     @property
     def total_prompt_tokens(self) -> int:
@@ -39,7 +47,7 @@ class RequestCost:
     @property
     def total_tokens(self) -> int:
         """Prompt plus reserved output over all sequences: what token rate limits charge."""
-        return self.total_prompt_tokens + self.max_output * self.num_sequences
+        return self.total_prompt_tokens + sum(self.output_budgets) * self.sequences_per_prompt
 
     @property
     def num_sequences(self) -> int:
@@ -47,8 +55,11 @@ class RequestCost:
 
     def blocks_after(self, generated_total: int, block_size: int) -> int:
         """Blocks held once ``generated_total`` tokens (over all sequences) have been produced."""
-        per_seq = min(self.max_output, generated_total // max(1, self.num_sequences))
-        return self.sequences_per_prompt * sum(blocks_for(p + per_seq, block_size) for p in self.prompt_tokens)
+        per_seq = generated_total // max(1, self.num_sequences)
+        return self.sequences_per_prompt * sum(
+            blocks_for(p + min(o, per_seq), block_size)
+            for p, o in zip(self.prompt_tokens, self.output_budgets, strict=True)
+        )
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -56,14 +67,16 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 def output_budget(max_tokens: int | None, prompt_tokens: int, max_model_len: int | None) -> int:
-    """Tokens to reserve for the output of one sequence (vLLM's default when max_tokens is absent)."""
-    if max_tokens is not None:
-        return max_tokens
+    """Tokens one sequence of this prompt may generate, as vLLM's ``get_max_tokens`` computes it:
+    ``min(max_model_len - prompt, max_tokens)``, where an absent ``max_tokens`` means the context's rest."""
     if max_model_len is None:
-        raise bad_request(
-            "max_tokens is required: the gateway does not know the model's max_model_len", param="max_tokens"
-        )
-    return max(0, max_model_len - prompt_tokens)
+        if max_tokens is None:
+            raise bad_request(
+                "max_tokens is required: the gateway does not know the model's max_model_len", param="max_tokens"
+            )
+        return max_tokens
+    room = max(0, max_model_len - prompt_tokens)
+    return room if max_tokens is None else min(max_tokens, room)
 
 
 def estimate_cost(
@@ -75,16 +88,20 @@ def estimate_cost(
     geometry: KvGeometry,
     high_watermark: float,
 ) -> RequestCost:
-    """Turn token counts into a block reservation, rejecting what the engine could never serve."""
+    """Turn token counts into a block reservation, rejecting what the engine could never serve: a prompt
+    longer than the context (vLLM's own 400), or a request larger than the pool may ever hold."""
     longest = max(prompt_tokens, default=0)
-    output = output_budget(max_tokens, longest, max_model_len)
-    if max_model_len is not None and longest + output > max_model_len:
+    generates = max_tokens != 0  # pooling and scoring requests produce no tokens and may fill the context
+    if max_model_len is not None and (longest > max_model_len or (generates and longest >= max_model_len)):
         raise context_length_exceeded(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{longest + output} tokens ({longest} in the messages, {output} in the completion). "
-            "Please reduce the length of the messages or completion."
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{longest} input tokens, which leaves no room for any output. Please reduce the length of the input."
         )
-    blocks = sequences_per_prompt * sum(blocks_for(p + output, geometry.block_size) for p in prompt_tokens)
+    outputs = tuple(output_budget(max_tokens, p, max_model_len) for p in prompt_tokens)
+    output = max(outputs, default=0)
+    blocks = sequences_per_prompt * sum(
+        blocks_for(p + o, geometry.block_size) for p, o in zip(prompt_tokens, outputs, strict=True)
+    )
     ceiling = math.floor(high_watermark * geometry.num_blocks)
     if blocks > ceiling:
         raise GatewayError(
@@ -96,4 +113,5 @@ def estimate_cost(
             param="max_tokens",
             code="kv_cache_capacity_exceeded",
         )
-    return RequestCost(prompt_tokens, sequences_per_prompt, output, blocks)
+    uniform = all(o == output for o in outputs)
+    return RequestCost(prompt_tokens, sequences_per_prompt, output, blocks, None if uniform else outputs)

@@ -90,7 +90,8 @@ def test_streams_are_relayed_chunk_by_chunk(mini_vllm: Callable[..., str], gatew
     [
         (b"{not json", 400, None),
         (b'{"prompt": 12}', 400, None),
-        (b'{"prompt": "x", "max_tokens": 5000}', 400, "context_length_exceeded"),
+        (b'{"prompt": [' + b",".join([b"1"] * 4100) + b'], "max_tokens": 5}', 400, "context_length_exceeded"),
+        (b'{"prompt": "x", "max_tokens": 5000}', 400, "kv_cache_capacity_exceeded"),  # clamped, still too big
         (b'{"prompt": "x", "max_tokens": 4000, "n": 2}', 400, "kv_cache_capacity_exceeded"),
         (b'{"prompt": "x", "max_tokens": 5, "model": "other"}', 404, None),
     ],

@@ -38,10 +38,29 @@ def test_missing_max_tokens_without_max_model_len_is_a_400() -> None:
     assert err.value.status == 400 and err.value.param == "max_tokens"
 
 
-def test_context_length_exceeded() -> None:
+def test_a_prompt_longer_than_the_context_is_a_400() -> None:
     with pytest.raises(GatewayError) as err:
-        cost((4000,), 200, max_model_len=4096)
-    assert err.value.code == "context_length_exceeded" and "4200" in err.value.message
+        cost((4097,), 200, max_model_len=4096)
+    assert err.value.code == "context_length_exceeded" and "4097" in err.value.message
+    with pytest.raises(GatewayError):
+        cost((4096,), None, max_model_len=4096)  # a generation needs room for one token
+    assert cost((4096,), 0, max_model_len=4096).max_output == 0  # pooling: no output, the whole context
+
+
+def test_max_tokens_past_the_context_is_clamped_as_vllm_does() -> None:
+    """vLLM's get_max_tokens: min(max_model_len - prompt, max_tokens); the request is served, not refused."""
+    c = cost((4000,), 200, max_model_len=4096)
+    assert c.max_output == 96 and c.blocks == 4096 // 16 and c.total_tokens == 4096
+
+
+def test_each_prompt_of_a_batch_gets_its_own_budget() -> None:
+    """Without max_tokens, a short prompt may run longer than a long one: each gets max_model_len - itself."""
+    c = cost((100, 4000), None, max_model_len=4096)
+    assert c.output_budgets == (3996, 96) and c.max_output == 3996
+    assert c.blocks == 2 * (4096 // 16)  # each sequence may fill the context
+    assert c.total_tokens == 2 * 4096
+    assert c.blocks_after(2 * 50, 16) == blocks_for(150, 16) + blocks_for(4050, 16)
+    assert c.blocks_after(2 * 4000, 16) == c.blocks  # the short one past the long one's budget
 
 
 def test_a_request_that_can_never_fit_names_the_numbers() -> None:
