@@ -128,8 +128,10 @@ class Proc:
         log_path: Path | None = None,
         grace_s: float = 10.0,
         remove_on_stop: Sequence[Path] = (),
+        cwd: Path = REPO,
     ) -> None:
         self.name = name
+        self.cwd = cwd
         self.argv = list(argv)
         self.url = url
         self.env = dict(env) if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -144,7 +146,7 @@ class Proc:
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Proc:
-        """Start (again, after a stop or a crash) from the repository root, with a fresh log."""
+        """Start (again, after a stop or a crash) from ``cwd`` (the repository root), with a fresh log."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             log.write(f"=== {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
@@ -152,7 +154,7 @@ class Proc:
             self.popen = subprocess.Popen(
                 self.argv,
                 env=self.env,
-                cwd=REPO,
+                cwd=self.cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -264,10 +266,12 @@ def start_gateway(
     ready: bool = True,
     log_path: Path | None = None,
     timeout_s: float = 60.0,
+    tree: Path = REPO,
 ) -> Proc:
     """``kvgate serve`` in front of ``upstream``, waited for until /readyz (or only /healthz: ``ready=False``).
 
     ``config`` is a file the caller keeps, or a dict written to a temporary file that is removed on stop.
+    ``tree`` is the source tree it runs from (another checkout, to compare two builds side by side).
     """
     owned: list[Path] = []
     if not isinstance(config, Path):
@@ -280,5 +284,5 @@ def start_gateway(
         owned.append(config)
     port = free_port()
     argv = gateway_argv(upstream, port, config, tokenizer, extra_args)
-    proc = Proc("kvgate", argv, url=_local(port), log_path=log_path, remove_on_stop=owned)
+    proc = Proc("kvgate", argv, url=_local(port), log_path=log_path, remove_on_stop=owned, cwd=tree)
     return proc.start().wait_ready("/readyz" if ready else "/healthz", timeout_s)
