@@ -58,6 +58,23 @@ class ModelConfig(_Model):
     num_gpu_blocks: int | None = Field(None, ge=1)
 
 
+class OutputEstimateConfig(_Model):
+    """Reserve what requests will most likely produce instead of their cap (see README: How much kvgate
+    reserves, and why)."""
+
+    enabled: bool = Field(
+        False,
+        description="Reserve prompt + the quantile of learned output lengths (capped by max_tokens) instead of the "
+        "whole budget; a request that outruns it grows its reservation as it streams.",
+    )
+    quantile: float = Field(0.9, gt=0, le=1, description="The quantile reserved while the engine stays healthy.")
+    min_samples: int = Field(32, ge=1, description="Finished requests a key needs before it is trusted.")
+    window: int = Field(512, ge=16, description="Latest finished requests remembered per key.")
+    relax_after_s: float = Field(
+        30.0, gt=0, description="After a preemption or an overshoot, one step back down per this long of calm."
+    )
+
+
 class AdmissionConfig(_Model):
     high_watermark: float = Field(0.90, gt=0, le=1)
     low_watermark: float = Field(0.80, gt=0, le=1)
@@ -88,6 +105,8 @@ class AdmissionConfig(_Model):
         "that schedule; worst_case: every request holds its whole reservation at once (safe even if decoding "
         "stalls unevenly, but leaves the engine well below the watermark).",
     )
+
+    output_estimate: OutputEstimateConfig = OutputEstimateConfig()
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> AdmissionConfig:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -36,6 +36,18 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
         (),
     ),
     "kvgate_policy_version": ("Reloads applied since start, plus one", ()),
+    "kvgate_output_estimate_quantile": (
+        "Quantile of learned output lengths reserved now (1 = the whole budget; rises after preemptions)",
+        (),
+    ),
+    "kvgate_output_tokens_expected": (
+        "Learned output tokens per sequence at a quantile, over all finished requests",
+        ("quantile",),
+    ),
+}
+# Counters kept by pure code (no prometheus inside it), read the same way.
+STATE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kvgate_requests_outran_estimate": ("Requests that outran their expected output and grew their reservation", ()),
 }
 
 Reading = tuple[str, tuple[str, ...], float]  # gauge name, label values, value
@@ -47,18 +59,23 @@ class StateGauges(Collector):
     def __init__(self) -> None:
         self.source: Callable[[], Iterable[Reading]] = lambda: ()
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
+    def describe(self) -> Iterator[Metric]:
         return iter(self._families().values())
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         families = self._families()
         for name, labels, value in self.source():
             families[name].add_metric(list(labels), value)
         return iter(families.values())
 
     @staticmethod
-    def _families() -> dict[str, GaugeMetricFamily]:
-        return {name: GaugeMetricFamily(name, doc, labels=list(labels)) for name, (doc, labels) in GAUGES.items()}
+    def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            name: GaugeMetricFamily(name, doc, labels=list(labels)) for name, (doc, labels) in GAUGES.items()
+        }
+        for name, (doc, labels) in STATE_COUNTERS.items():
+            families[name] = CounterMetricFamily(name.removesuffix("_total"), doc, labels=list(labels))
+        return families
 
 
 class GatewayMetrics:

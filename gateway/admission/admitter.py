@@ -67,13 +67,14 @@ class Admitter:
         max_wait_s: float | None = None,
         qclass: QueueClass | None = None,
         body_bytes: int = 0,
+        key: tuple[str, ...] = (),
     ) -> Admission:
         """Admit now, or wait in the queue until admitted (raises 429/503 when refused or out of time).
 
         The caller owns the returned reservation and must :meth:`release` it."""
         qclass = qclass or QueueClass()
         now = self.clock()
-        decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass, body_bytes)
+        decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass, body_bytes, key)
         if isinstance(decision, Admitted):
             self._on_admitted(0.0, decision.reservation, qclass)
             return Admission(decision.reservation, 0.0, 0)
@@ -151,6 +152,10 @@ class Admitter:
         name = _CLASS_NAMES[qclass.priority]
         self.metrics.class_queue_wait.labels(name).observe(waited_s)
         self.metrics.tenant_admitted_tokens.labels(reservation.tenant, name).inc(reservation.cost.total_tokens)
+
+    def learn(self, reservation: Reservation, completion_tokens: int) -> None:
+        """A request completed with ``completion_tokens``: the output-length estimate learns it."""
+        self.controller.learn(reservation, completion_tokens)
 
     def release(self, reservation: Reservation, outcome: str) -> bool:
         """Give the reservation's blocks back and admit whoever now fits; True the first time only."""

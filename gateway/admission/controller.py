@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gateway.admission.gate import HysteresisGate
-from gateway.admission.ledger import Ledger, Reservation
+from gateway.admission.ledger import ENGINE_LEAD_TOKENS, Ledger, Reservation
+from gateway.admission.output_lengths import OutputLengths
 from gateway.admission.queue import AdmissionQueue, QueueClass, Refused, Ticket
 from gateway.config import AdmissionConfig
 from gateway.tokens.cost import KvGeometry, RequestCost
@@ -86,6 +87,38 @@ class DrainRate:
         return len(self._events) / span
 
 
+class Caution:
+    """How much of the output distribution is reserved: the configured quantile while the engine stays healthy,
+    one step more cautious (towards the whole budget) each time it preempts or runs past the high watermark,
+    one step back after ``relax_after_s`` of calm. Steps: q, then halving what is left out (0.9 -> 0.95 ->
+    0.975 -> ...), then 1.0 (reserve the whole budget)."""
+
+    MAX_LEVEL = 4
+
+    def __init__(self, base: float, relax_after_s: float) -> None:
+        self.base = base
+        self.relax_after_s = relax_after_s
+        self.level = 0
+        self._calm_since: float | None = None
+
+    @property
+    def quantile(self) -> float:
+        if self.level >= self.MAX_LEVEL or self.base >= 1:
+            return 1.0
+        return 1 - (1 - self.base) / 2.0**self.level
+
+    def observe(self, now: float, trouble: bool) -> None:
+        if trouble:
+            self.level = min(self.MAX_LEVEL, self.level + 1)
+            self._calm_since = now
+        elif self.level > 0:
+            if self._calm_since is None:
+                self._calm_since = now
+            elif now - self._calm_since >= self.relax_after_s:
+                self.level -= 1
+                self._calm_since = now
+
+
 class AdmissionController:
     def __init__(self, config: AdmissionConfig, geometry: KvGeometry | None = None) -> None:
         self.config = config
@@ -96,6 +129,10 @@ class AdmissionController:
         self.sample: UsageSample | None = None
         self.drain = DrainRate()
         self._geometry_pinned = geometry is not None
+        est = config.output_estimate
+        self.lengths = OutputLengths(window=est.window, min_samples=est.min_samples)
+        self.caution = Caution(est.quantile, est.relax_after_s)
+        self.outran = 0  # requests that outran their estimate (and grew their reservation)
 
     # --- telemetry in -------------------------------------------------------------------------------
 
@@ -106,9 +143,12 @@ class AdmissionController:
         if sample.geometry is not None and not self._geometry_pinned:
             self.geometry = sample.geometry
             self.ledger.set_block_size(sample.geometry.block_size)
+        previous = self.sample
         self.sample = sample
         self.ledger.commit_sample()
         self.gate.observe(sample.usage)
+        preempted = previous is not None and sample.preemptions > previous.preemptions
+        self.caution.observe(sample.taken_at, preempted or sample.usage > self.config.high_watermark)
 
     def is_stale(self, now: float) -> bool:
         return self.sample is None or now - self.sample.taken_at > self.config.stale_after_s
@@ -142,8 +182,16 @@ class AdmissionController:
             ok = self.gate.is_open and projected <= self.config.high_watermark * self.geometry.num_blocks
         return projected / self.geometry.num_blocks if ok else None
 
-    def _reserve(self, cost: RequestCost, tenant: str, now: float, projected_usage: float) -> Reservation:
-        res = self.ledger.reserve(cost, tenant, now)
+    def _reserve(
+        self,
+        cost: RequestCost,
+        full: RequestCost,
+        key: tuple[str, ...],
+        tenant: str,
+        now: float,
+        projected_usage: float,
+    ) -> Reservation:
+        res = self.ledger.reserve(cost, tenant, now, full, key)
         res.projected_usage = projected_usage  # what the decision saw, for the metrics
         return res
 
@@ -163,16 +211,30 @@ class AdmissionController:
         max_wait_s: float | None = None,
         qclass: QueueClass | None = None,
         body_bytes: int = 0,
+        key: tuple[str, ...] = (),
     ) -> Decision:
         """Admit now if nothing of this class or a higher one waits and it fits; otherwise queue (possibly
         shedding a lower-class ticket), or reject when the queue (or the tenant's share of it) is full.
 
         A queued ticket may be at the head already: the caller pumps right after."""
         qclass = qclass or QueueClass()
-        if not self.queue.waiting_at_or_above(qclass.priority) and (usage := self.fits(cost.blocks, now)) is not None:
-            return Admitted(self._reserve(cost, tenant, now, usage))
+        expected = self.expected_cost(cost, key)
+        if (
+            not self.queue.waiting_at_or_above(qclass.priority)
+            and (usage := self.fits(expected.blocks, now)) is not None
+        ):
+            return Admitted(self._reserve(expected, cost, key, tenant, now, usage))
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
-        ticket = Ticket(cost, tenant, enqueued_at=now, deadline=now + wait, qclass=qclass, body_bytes=body_bytes)
+        ticket = Ticket(
+            expected,
+            tenant,
+            enqueued_at=now,
+            deadline=now + wait,
+            qclass=qclass,
+            body_bytes=body_bytes,
+            full=cost,
+            key=key,
+        )
         pushed = self.queue.push(ticket)
         if isinstance(pushed, Refused):
             position = len(self.queue) + 1
@@ -185,7 +247,7 @@ class AdmissionController:
         admitted = []
         while (head := self.queue.peek()) is not None and (usage := self.fits(head.cost.blocks, now)) is not None:
             self.queue.pop()
-            admitted.append((head, self._reserve(head.cost, head.tenant, now, usage)))
+            admitted.append((head, self._reserve(head.cost, head.full or head.cost, head.key, head.tenant, now, usage)))
         return admitted
 
     def expire(self, now: float) -> list[Ticket]:
@@ -196,6 +258,32 @@ class AdmissionController:
 
     def progress(self, res: Reservation, generated: int, now: float) -> None:
         self.ledger.progress(res, generated, now)
+        expected, full = res.cost.max_output, res.full.max_output
+        seen = res.generated // max(1, res.cost.num_sequences)
+        if expected < full and seen + ENGINE_LEAD_TOKENS >= expected and self.geometry is not None:
+            # it outran its estimate: expect what the requests that went this far went on to, or its budget
+            longer = self.lengths.quantile(res.key, self.caution.quantile, above=seen)
+            cap = full if longer is None else max(longer, seen + 2 * ENGINE_LEAD_TOKENS)
+            self.ledger.resize(res, res.full.capped(cap, self.geometry.block_size))
+            self.outran += 1
+
+    # --- learning what requests really use ----------------------------------------------------------
+
+    def expected_cost(self, cost: RequestCost, key: tuple[str, ...]) -> RequestCost:
+        """What the request will most likely hold: its prompt plus the learned output quantile, never more
+        than its budget; the whole budget while nothing is known or the engine has shown it is too tight."""
+        q = self.caution.quantile
+        if not self.config.output_estimate.enabled or cost.max_output == 0 or q >= 1 or self.geometry is None:
+            return cost
+        expected = self.lengths.quantile(key, q)
+        if expected is None or expected >= cost.max_output:
+            return cost
+        return cost.capped(max(1, expected), self.geometry.block_size)
+
+    def learn(self, res: Reservation, completion_tokens: int) -> None:
+        """A request finished normally after producing ``completion_tokens`` (over all its sequences)."""
+        if res.full.max_output > 0:
+            self.lengths.observe(res.key, completion_tokens // max(1, res.full.num_sequences))
 
     def release(self, res: Reservation, now: float) -> bool:
         released = self.ledger.release(res)

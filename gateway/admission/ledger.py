@@ -22,10 +22,15 @@ EXACT_LIMIT = 64  # decoding requests up to which the peak is computed exactly
 
 @dataclass(slots=True, eq=False)
 class Reservation:
+    """What one admitted request holds: ``cost`` as expected now (it may grow, up to ``full``, the request's
+    own budget), for the request of ``key`` (model, endpoint, tenant) whose output lengths teach the estimate."""
+
     id: int
     cost: RequestCost
     tenant: str
     admitted_at: float
+    full: RequestCost
+    key: tuple[str, ...] = ()
     first_token_at: float | None = None
     generated: int = 0
     in_sample_blocks: int = 0
@@ -51,9 +56,16 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._live)
 
-    def reserve(self, cost: RequestCost, tenant: str, now: float) -> Reservation:
+    def reserve(
+        self,
+        cost: RequestCost,
+        tenant: str,
+        now: float,
+        full: RequestCost | None = None,
+        key: tuple[str, ...] = (),
+    ) -> Reservation:
         self._next_id += 1
-        res = Reservation(self._next_id, cost, tenant, admitted_at=now)
+        res = Reservation(self._next_id, cost, tenant, admitted_at=now, full=full or cost, key=key)
         self._live[res.id] = res
         self.reserved_blocks += res.blocks
         self.reserved_count += 1
@@ -66,6 +78,13 @@ class Ledger:
         if res.first_token_at is None:
             res.first_token_at = now
         res.generated = generated
+
+    def resize(self, res: Reservation, cost: RequestCost) -> None:
+        """A live request is now expected to hold ``cost`` (it outran its estimate); the books follow."""
+        if res.released:
+            return
+        self.reserved_blocks += cost.blocks - res.blocks
+        res.cost = cost
 
     def release(self, res: Reservation) -> bool:
         """Return the reservation's blocks. True the first time, False on any later call."""

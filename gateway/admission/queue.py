@@ -51,6 +51,8 @@ class Ticket:
     id: int = field(default=0)
     qclass: QueueClass = field(default_factory=QueueClass)
     body_bytes: int = 0  # the request body it keeps while it waits
+    full: RequestCost | None = None  # the request's whole budget, when ``cost`` is only what it is expected to use
+    key: tuple[str, ...] = ()  # (model, endpoint, tenant): whose output lengths it is estimated from
     start: float = 0.0
     finish: float = 0.0
 

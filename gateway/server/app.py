@@ -240,6 +240,12 @@ class Gateway:
         yield "kvgate_redis_up", (), 1.0 if redis is not None and redis.healthy else 0.0
         yield "kvgate_limits_degraded", (), 1.0 if self.counters.degraded else 0.0
         yield "kvgate_policy_version", (), float(self.policy.version)
+        yield "kvgate_output_estimate_quantile", (), c.caution.quantile
+        for q in (0.5, 0.9, 0.99):
+            expected = c.lengths.quantile((), q)
+            if expected is not None:
+                yield "kvgate_output_tokens_expected", (str(q),), float(expected)
+        yield "kvgate_requests_outran_estimate", (), float(c.outran)
 
     def _control_app(self) -> FastAPI:
         app = FastAPI(title="kvgate", docs_url=None, redoc_url=None, openapi_url=None)

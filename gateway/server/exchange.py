@@ -48,6 +48,7 @@ class Exchange:
         self.body_bytes = 0
         self.tenant: TenantPolicy | None = None
         self.cost: RequestCost | None = None
+        self.key: tuple[str, ...] = ()  # (model, route, tenant): whose output lengths estimate this one
         self.charge: Charge | None = None
         self.slot: Slot | None = None
         self.slot_wait_s = 0.0
@@ -68,9 +69,9 @@ class Exchange:
 
     # --- what the request takes, in order ------------------------------------------------------------
 
-    async def charge_rate_limits(self, tenant: TenantPolicy, cost: RequestCost) -> None:
+    async def charge_rate_limits(self, tenant: TenantPolicy, cost: RequestCost, key: tuple[str, ...] = ()) -> None:
         """Pre-charge the tenant's per-minute limits with prompt + reserved output (429 over a limit)."""
-        self.tenant, self.cost = tenant, cost
+        self.tenant, self.cost, self.key = tenant, cost, key
         self.charge = await self._counters.check(tenant, cost.total_tokens)
 
     async def take_slot(self) -> None:
@@ -95,6 +96,7 @@ class Exchange:
             max(0.0, tenant.wait_budget_s - self.slot_wait_s),
             tenant.qclass,
             self.body_bytes,
+            self.key,
         )
         self._stage = "waiting"
 
@@ -139,6 +141,9 @@ class Exchange:
             return
         self.outcome = outcome = self._outcome(exc)
         if self.admission is not None:
+            if outcome == "completed":
+                produced = self.usage.completion_tokens if self.usage is not None else self.generated
+                self._admitter.learn(self.admission.reservation, produced)
             self._admitter.release(self.admission.reservation, outcome)
         if self.slot is not None:
             self._counters.release_slot(self.slot)

@@ -128,7 +128,8 @@ class RequestPath:
         # 3. estimate cost (tokenizing long prompts off the event loop)
         cost = await self.costs.estimate(request)
         # 4. rate limit (pre-charges prompt + reserved output; shared across replicas when Redis is configured)
-        await exchange.charge_rate_limits(policy.resolve(tenant, request.model), cost)
+        tenant_policy = policy.resolve(tenant, request.model)
+        await exchange.charge_rate_limits(tenant_policy, cost, (request.model or "", body_kind, tenant_policy.key))
         # 5. take a concurrency slot of the tenant, then admit, or wait in the queue, or be turned away
         if self.draining():  # a drain began while this one was being read or tokenized: it holds nothing yet
             raise shutting_down(1.0)

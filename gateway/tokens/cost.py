@@ -61,6 +61,14 @@ class RequestCost:
             for p, o in zip(self.prompt_tokens, self.output_budgets, strict=True)
         )
 
+    def capped(self, per_sequence: int, block_size: int) -> RequestCost:
+        """The same request, expected to stop after ``per_sequence`` output tokens (never past its budgets)."""
+        outputs = tuple(min(o, per_sequence) for o in self.output_budgets)
+        blocks = self.sequences_per_prompt * sum(
+            blocks_for(p + o, block_size) for p, o in zip(self.prompt_tokens, outputs, strict=True)
+        )
+        return RequestCost(self.prompt_tokens, self.sequences_per_prompt, max(outputs, default=0), blocks, outputs)
+
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return math.ceil(tokens / block_size)

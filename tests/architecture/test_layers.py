@@ -103,7 +103,8 @@ def test_no_import_cycles() -> None:
 @pytest.mark.parametrize("rank", range(len(LAYERS) - 1))
 def test_importing_a_layer_loads_nothing_above_it(rank: int) -> None:
     """The same rule at run time: ``python -c 'import <every module of a layer>'`` loads no module above it."""
-    modules = sorted(m for m in graph() if m != "gateway" and unit_of(m)[0] == rank)
+    # __main__ modules run their program when imported: their imports are checked statically above
+    modules = sorted(m for m in graph() if m != "gateway" and not m.endswith("__main__") and unit_of(m)[0] == rank)
     above = [u for units in LAYERS[rank + 1 :] for u in units]
     code = (
         "import sys\n"

@@ -1,0 +1,124 @@
+"""Reservation by expected output: what is reserved, how a request that outruns its estimate grows, how the
+engine's own numbers make kvgate more cautious, and that the ledger stays exact whatever the estimates."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.admission.controller import AdmissionController, Admitted, Caution, UsageSample
+from gateway.config import AdmissionConfig, OutputEstimateConfig
+from gateway.tokens.cost import KvGeometry, estimate_cost
+
+GEO = KvGeometry(block_size=16, num_blocks=10_000)
+KEY = ("m", "chat", "t")
+
+
+def controller(enabled: bool = True, min_samples: int = 8) -> AdmissionController:
+    config = AdmissionConfig(output_estimate=OutputEstimateConfig(enabled=enabled, min_samples=min_samples))
+    c = AdmissionController(config, GEO)
+    c.begin_sample()
+    c.apply_sample(UsageSample(0.0, 0.0))
+    return c
+
+
+def chat(prompt: int = 100, max_tokens: int | None = None, n: int = 1):  # type: ignore[no-untyped-def]
+    return estimate_cost(
+        (prompt,), max_tokens=max_tokens, sequences_per_prompt=n, max_model_len=4096, geometry=GEO, high_watermark=0.9
+    )
+
+
+def test_a_request_reserves_its_expected_output_once_lengths_are_known() -> None:
+    c = controller()
+    full = chat()  # no max_tokens: the budget is the context's rest, 3996 tokens
+    first = c.submit(full, "t", 0.0, key=KEY)
+    assert isinstance(first, Admitted) and first.reservation.blocks == full.blocks  # nothing learned yet
+    for _ in range(8):
+        c.learn(first.reservation, 200)
+    second = c.submit(full, "t", 0.0, key=KEY)
+    assert isinstance(second, Admitted)
+    assert second.reservation.cost.max_output == 200 and second.reservation.blocks == 19  # ceil(300 / 16)
+    assert second.reservation.full is full  # the budget is kept: never-fits, rate limits and growth use it
+
+
+def test_the_estimate_never_exceeds_the_requests_own_cap_and_is_off_by_default() -> None:
+    c = controller()
+    res = c.submit(chat(), "t", 0.0, key=KEY)
+    assert isinstance(res, Admitted)
+    for _ in range(8):
+        c.learn(res.reservation, 3000)
+    capped = chat(max_tokens=50)
+    assert c.expected_cost(capped, KEY) is capped
+    off = controller(enabled=False)
+    off.lengths = c.lengths
+    assert off.expected_cost(chat(), KEY).max_output == 3996
+
+
+def test_a_request_that_outruns_its_estimate_grows_its_reservation() -> None:
+    c = controller()
+    seed = c.submit(chat(), "t", 0.0, key=KEY)
+    assert isinstance(seed, Admitted)
+    for n in [*([100] * 90), *([1500] * 10)]:
+        c.learn(seed.reservation, n)
+    c.release(seed.reservation, 0.0)
+    res = c.submit(chat(), "t", 0.0, key=KEY)
+    assert isinstance(res, Admitted) and res.reservation.cost.max_output == 100
+    before = c.ledger.reserved_blocks
+    c.progress(res.reservation, 95, 1.0)  # within ENGINE_LEAD_TOKENS of its estimate: grow now, not after
+    # most requests that got this far stopped at 100: a little more room, ahead of the engine's lead
+    assert res.reservation.cost.max_output == 95 + 16 and c.outran == 1
+    c.progress(res.reservation, 105, 1.5)  # past 100: only the long ones went further
+    assert res.reservation.cost.max_output == 1500 and c.outran == 2
+    assert c.ledger.reserved_blocks == before - 13 + 100  # ceil(200/16) -> ceil(1600/16)
+    c.progress(res.reservation, 1505, 2.0)  # past every length seen: the whole budget
+    assert res.reservation.cost.max_output == 3996 and res.reservation.blocks == res.reservation.full.blocks
+
+
+def test_preemptions_make_it_cautious_and_calm_relaxes_it_slowly() -> None:
+    caution = Caution(0.9, relax_after_s=30.0)
+    assert caution.quantile == 0.9
+    caution.observe(1.0, trouble=True)
+    caution.observe(2.0, trouble=True)
+    assert caution.quantile == 0.975
+    caution.observe(20.0, trouble=False)
+    assert caution.quantile == 0.975  # not calm for long enough yet
+    caution.observe(32.0, trouble=False)
+    assert caution.quantile == 0.95
+    for t in range(3):
+        caution.observe(100.0 + t, trouble=True)
+    assert caution.quantile == 1.0  # the whole budget: worst case until the engine calms down
+    c = controller()
+    c.apply_sample(UsageSample(0.5, 1.0, preemptions=3.0))  # the counter moved since the last sample
+    assert c.caution.quantile == 0.95
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.lists(st.integers(1, 3000), min_size=0, max_size=40))
+def test_the_ledger_stays_exact_whatever_the_estimates(seed: int, learned: list[int]) -> None:
+    """Estimates wrong in either direction (learned lengths unrelated to what requests then produce):
+    every reservation is released once, the books never go negative, and end at zero."""
+    rng = random.Random(seed)
+    c = controller(min_samples=4)
+    live = []
+    for step in range(200):
+        op = rng.random()
+        if op < 0.35:
+            d = c.submit(chat(rng.randint(1, 2000), rng.choice([None, rng.randint(1, 2000)]), rng.randint(1, 3)),
+                         "t", float(step), key=KEY)  # fmt: skip
+            if isinstance(d, Admitted):
+                live.append(d.reservation)
+        elif op < 0.7 and live:
+            res = rng.choice(live)
+            c.progress(res, res.generated + rng.randint(1, 400), float(step))
+        elif live:
+            res = live.pop(rng.randrange(len(live)))
+            if learned:
+                c.learn(res, learned[step % len(learned)])
+            assert c.release(res, float(step)) and not c.release(res, float(step))
+        assert c.ledger.reserved_blocks == sum(r.blocks for r in live) >= 0
+        assert all(r.blocks <= r.full.blocks for r in live)
+    for res in live:
+        c.release(res, 1000.0)
+    assert c.ledger.reserved_blocks == 0 and c.ledger.reserved_count == c.ledger.released_count
