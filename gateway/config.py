@@ -85,7 +85,13 @@ class AdmissionConfig(_Model):
         description="Request bodies held by requests in the admission queue, in bytes; beyond it new arrivals "
         "get 429 queue_full.",
     )
-    queue_max_wait_s: float = Field(30.0, gt=0)
+    queue_max_wait_s: float = Field(
+        120.0,
+        gt=0,
+        description="Wait budget of a request whose client did not send one (x-kvgate-max-wait-s, or the OpenAI "
+        "SDKs' x-stainless-read-timeout) and whose tenant sets none; long enough for a burst the engine clears "
+        "in a minute or two, and a request that could not make it is refused early anyway.",
+    )
     stale_after_s: float = Field(2.0, gt=0, description="A metrics sample older than this is stale.")
     stale_policy: Literal["ledger", "hold"] = Field(
         "ledger",

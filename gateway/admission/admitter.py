@@ -21,7 +21,7 @@ from gateway.admission.controller import AdmissionController, Admitted, Queued, 
 from gateway.admission.ledger import Reservation
 from gateway.admission.queue import PRIORITIES, QueueClass, Ticket
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.errors import GatewayError, queue_full, queue_timeout
+from gateway.protocol.errors import GatewayError, queue_full, queue_timeout, wait_predicted
 from gateway.tokens.cost import RequestCost
 
 _CLASS_NAMES = PRIORITIES
@@ -94,6 +94,8 @@ class Admitter:
                     retry_after_s=decision.retry_after_s,
                     extra=extra,
                 )
+            if decision.reason == "queue_wait_predicted":
+                raise wait_predicted(decision.retry_after_s, extra)
             raise queue_full(decision.retry_after_s, extra)
         ticket = decision.ticket
         loop = asyncio.get_running_loop()
@@ -202,6 +204,20 @@ class Admitter:
     def sample(self, sample: UsageSample) -> None:
         self.controller.apply_sample(sample)
         self.pump()
+        self._refuse_hopeless()
+
+    def _refuse_hopeless(self) -> None:
+        """Queued requests that can no longer be admitted within their budget hear so now."""
+        now = self.clock()
+        for ticket, predicted in self.controller.hopeless(now):
+            _, future, timer = self._waiters.pop(ticket.id)
+            timer.cancel()
+            if not future.done():
+                extra: dict[str, object] = {
+                    "queue_eta_s": round(predicted, 3),
+                    "waited_s": round(now - ticket.enqueued_at, 3),
+                }
+                future.set_exception(wait_predicted(min(max(predicted, 1.0), 600.0), extra))
 
     def scrape_failed(self) -> None:
         self.pump()  # the stale policy may admit (or keep holding) by its own rules

@@ -56,7 +56,7 @@ class Queued:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    reason: Literal["queue_full", "tenant_queue_full", "no_capacity_info"]
+    reason: Literal["queue_full", "tenant_queue_full", "no_capacity_info", "queue_wait_predicted"]
     retry_after_s: float
     position: int = 0
 
@@ -78,6 +78,12 @@ class DrainRate:
     def _trim(self, now: float) -> None:
         while self._events and self._events[0] < now - self.window_s:
             self._events.popleft()
+
+    MATURE_EVENTS = 8  # finished requests in the window before a rate is trusted to refuse anybody
+
+    def mature(self, now: float) -> bool:
+        self._trim(now)
+        return len(self._events) >= self.MATURE_EVENTS
 
     def per_second(self, now: float) -> float:
         self._trim(now)
@@ -225,6 +231,11 @@ class AdmissionController:
         ):
             return Admitted(self._reserve(expected, cost, key, tenant, now, usage))
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
+        ahead = self.queue.prospective_position(tenant, qclass.priority)
+        predicted = self.predicted_wait(ahead, now)
+        if predicted is not None and predicted > wait:
+            # it would wait its whole budget and then be refused: refuse now, and say when the line will be gone
+            return Rejected("queue_wait_predicted", min(max(predicted, 1.0), 600.0), ahead)
         ticket = Ticket(
             expected,
             tenant,
@@ -292,6 +303,24 @@ class AdmissionController:
         return released
 
     # --- telling clients when to come back ----------------------------------------------------------
+
+    def predicted_wait(self, position: int, now: float) -> float | None:
+        """The wait of the request at ``position``, once the finish rate is known well enough to act on."""
+        return self.eta(position, now) if self.drain.mature(now) else None
+
+    def hopeless(self, now: float) -> list[tuple[Ticket, float]]:
+        """Queued tickets whose predicted wait now runs past their deadline, taken out of the queue, each with
+        its predicted wait: they are refused as soon as that is known, not at the end of their budget."""
+        if not self.drain.mature(now):
+            return []
+        doomed = []
+        for position, ticket in enumerate(self.queue.in_order(), start=1):
+            predicted = self.predicted_wait(position, now)
+            if predicted is not None and now + predicted > ticket.deadline:
+                doomed.append((ticket, predicted))
+        for ticket, _ in doomed:
+            self.queue.remove(ticket)
+        return doomed
 
     def eta(self, position: int, now: float) -> float | None:
         """Seconds until ``position`` requests ahead have drained at the observed finish rate (None: unknown)."""

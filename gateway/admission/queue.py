@@ -234,6 +234,16 @@ class AdmissionQueue:
         key = (ticket.priority, ticket.start, ticket.id)
         return 1 + sum(1 for t in self._by_id.values() if (t.priority, t.start, t.id) < key)
 
+    def prospective_position(self, tenant: str, priority: int) -> int:
+        """The place in line a new ticket of ``tenant`` in class ``priority`` would take, without queueing it."""
+        cls = self._classes[priority]
+        start = max(cls.vtime, cls.last_finish.get(tenant, 0.0))
+        return 1 + sum(1 for t in self._by_id.values() if (t.priority, t.start) <= (priority, start))
+
+    def in_order(self) -> list[Ticket]:
+        """Every waiting ticket in the order it would be served if nothing else arrived."""
+        return sorted(self._by_id.values(), key=lambda t: (t.priority, t.start, t.id))
+
     def expired(self, now: float) -> list[Ticket]:
         """Remove and return every ticket whose deadline has passed."""
         gone = [t for t in self._by_id.values() if t.deadline <= now]

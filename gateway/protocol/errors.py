@@ -97,6 +97,20 @@ def queue_timeout(retry_after_s: float, waited_s: float, extra: dict[str, object
     )
 
 
+def wait_predicted(retry_after_s: float, extra: dict[str, object] | None = None) -> GatewayError:
+    """Refused early: at the rate requests are finishing, this one could not be admitted within its wait budget
+    (the client's, its tenant's or the config's), so it is told now instead of at the end of that wait."""
+    return GatewayError(
+        503,
+        "The admission queue ahead of this request will not drain within its wait budget; retry after the "
+        "indicated time.",
+        type="service_unavailable",
+        code="queue_wait_predicted",
+        retry_after_s=retry_after_s,
+        extra=extra,
+    )
+
+
 def engine_busy(retry_after_s: float) -> GatewayError:
     return GatewayError(
         503,

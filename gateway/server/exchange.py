@@ -49,6 +49,7 @@ class Exchange:
         self.tenant: TenantPolicy | None = None
         self.cost: RequestCost | None = None
         self.key: tuple[str, ...] = ()  # (model, route, tenant): whose output lengths estimate this one
+        self.client_wait_s: float | None = None  # the client's own wait budget, when it sent one
         self.charge: Charge | None = None
         self.slot: Slot | None = None
         self.slot_wait_s = 0.0
@@ -80,7 +81,7 @@ class Exchange:
         self._stage = "queued"
         started = asyncio.get_running_loop().time()
         self.slot = await self._counters.acquire_slot(
-            tenant, tenant.wait_budget_s, lambda: self._admitter.queued(tenant.tenant)
+            tenant, self.wait_budget_s, lambda: self._admitter.queued(tenant.tenant)
         )
         self.slot_wait_s = asyncio.get_running_loop().time() - started
         self._stage = "waiting"
@@ -93,12 +94,16 @@ class Exchange:
         self.admission = await self._admitter.acquire(
             self.cost,
             tenant.tenant,
-            max(0.0, tenant.wait_budget_s - self.slot_wait_s),
+            max(0.0, self.wait_budget_s - self.slot_wait_s),
             tenant.qclass,
             self.body_bytes,
             self.key,
         )
         self._stage = "waiting"
+
+    @property
+    def wait_budget_s(self) -> float:
+        return self._tenant().wait_budget(self.client_wait_s)
 
     def sending(self) -> None:
         """The request is about to be written to the engine: from here on it may have reached it."""

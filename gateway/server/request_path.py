@@ -120,6 +120,7 @@ class RequestPath:
         watch: DisconnectWatch,
     ) -> None:
         # 1. authenticated already (against one policy snapshot for the whole request)
+        exchange.client_wait_s = client_wait_budget(scope["headers"])
         # 2. parse (large bodies on a worker thread)
         raw = await read_body(receive, self.limits.max_body_bytes)
         exchange.body_read(len(raw))
@@ -156,6 +157,26 @@ class RequestPath:
         headers = upstream_headers(scope["headers"], exchange.request_id, self.upstream_api_key)
         exchange.sending()
         await self.forwarder.passthrough(scope["method"], target, body, headers, exchange.writer)
+
+
+# A client's own wait budget: kvgate's header, or the read timeout the OpenAI SDKs send with every request.
+WAIT_HEADERS = (b"x-kvgate-max-wait-s", b"x-stainless-read-timeout")
+CLIENT_MARGIN_S = 1.0  # answered this long before the client's own timeout would fire
+
+
+def client_wait_budget(headers: list[tuple[bytes, bytes]]) -> float | None:
+    """Seconds the client is prepared to wait, from its headers (None: it did not say)."""
+    for name in WAIT_HEADERS:
+        value = _header(headers, name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value)
+        except ValueError:
+            continue
+        if seconds > 0 and seconds != float("inf"):
+            return max(0.1, seconds - CLIENT_MARGIN_S) if name == b"x-stainless-read-timeout" else seconds
+    return None
 
 
 def raw_path_of(scope: dict[str, Any]) -> str:

@@ -24,6 +24,14 @@ class TenantPolicy:
     max_concurrent: int | None
     wait_budget_s: float  # the tenant's max_queue_wait_s, else the config's queue_max_wait_s
     qclass: QueueClass
+    wait_cap_s: float | None = None  # the tenant's own max_queue_wait_s, which no client may exceed
+
+    def wait_budget(self, client_s: float | None) -> float:
+        """How long a request may wait: the client's own budget when it says so (capped by the tenant's own
+        limit), else the tenant's, else the config's."""
+        if client_s is None:
+            return self.wait_budget_s
+        return client_s if self.wait_cap_s is None else min(client_s, self.wait_cap_s)
 
 
 class Policy:
@@ -59,6 +67,7 @@ class Policy:
             max_concurrent=merged.max_concurrent,
             wait_budget_s=merged.max_queue_wait_s or self.default_wait_s,
             qclass=QueueClass(priority_rank(merged.priority), merged.weight or 1.0, merged.max_queued),
+            wait_cap_s=merged.max_queue_wait_s,
         )
 
 

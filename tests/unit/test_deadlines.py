@@ -1,0 +1,79 @@
+"""Queueing that serves the client's deadline: refuse at once what could not be admitted within its wait
+budget, refuse a queued request as soon as its wait is known to slip past it, and take the budget from the
+client when it says so."""
+
+from __future__ import annotations
+
+from gateway.admission.controller import AdmissionController, Admitted, Queued, Rejected, UsageSample
+from gateway.admission.queue import QueueClass
+from gateway.config import AdmissionConfig
+from gateway.server.request_path import client_wait_budget
+from gateway.tenants.policy import TenantPolicy
+from gateway.tenants.ratelimit import RateLimits
+from gateway.tokens.cost import KvGeometry, RequestCost
+
+GEO = KvGeometry(block_size=16, num_blocks=100)
+
+
+def full_engine(finished_per_s: float | None) -> AdmissionController:
+    """An engine whose pool is taken, that has finished requests at ``finished_per_s`` (None: none yet)."""
+    c = AdmissionController(AdmissionConfig(), GEO)
+    c.begin_sample()
+    c.apply_sample(UsageSample(0.0, 0.0))
+    blocker = c.submit(RequestCost((16,), 1, 1424, 90), "x", 0.0)
+    assert isinstance(blocker, Admitted)
+    if finished_per_s is not None:
+        for i in range(10):
+            c.drain.record(10.0 + i / finished_per_s)
+    return c
+
+
+def small() -> RequestCost:
+    return RequestCost((16,), 1, 144, 10)
+
+
+def test_a_request_that_cannot_be_admitted_in_time_is_refused_at_once() -> None:
+    c = full_engine(finished_per_s=1.0)
+    now = 20.0
+    for _ in range(5):
+        assert isinstance(c.submit(small(), "t", now, max_wait_s=30.0), Queued)
+    refused = c.submit(small(), "t", now, max_wait_s=3.0)  # 6th in line at ~1/s: ~6 s > 3 s
+    assert isinstance(refused, Rejected) and refused.reason == "queue_wait_predicted"
+    assert 5.0 <= refused.retry_after_s <= 7.0 and len(c.queue) == 5  # Retry-After: when the line is gone
+    assert isinstance(c.submit(small(), "t", now, max_wait_s=30.0), Queued)  # a patient one still queues
+
+
+def test_without_a_trusted_finish_rate_nobody_is_refused_early() -> None:
+    c = full_engine(finished_per_s=None)
+    for _ in range(20):
+        assert isinstance(c.submit(small(), "t", 0.0, max_wait_s=0.5), Queued)
+    assert c.hopeless(0.1) == []
+
+
+def test_a_queued_request_whose_wait_slips_past_its_budget_is_refused_when_known() -> None:
+    c = full_engine(finished_per_s=2.0)
+    now = 15.0
+    early = [c.submit(small(), "t", now, max_wait_s=20.0) for _ in range(4)]
+    late = c.submit(small(), "t", now, max_wait_s=20.0)
+    assert all(isinstance(d, Queued) for d in [*early, late])
+    assert c.hopeless(now) == []
+    # the engine slows down: 8 finished over the last ~29 s, about 0.28/s
+    c.drain._events.clear()
+    for t in range(1, 30, 4):
+        c.drain.record(float(t))
+    doomed = c.hopeless(30.0)
+    # first in line: ~3.6 s more, before its deadline at 35 s; second: ~7.2 s, past it; and so on
+    assert [t for t, _ in doomed] == [d.ticket for d in [*early[1:], late] if isinstance(d, Queued)]
+    assert all(30.0 + predicted > t.deadline for t, predicted in doomed)
+    assert len(c.queue) == 1
+
+
+def test_the_wait_budget_is_the_clients_when_it_says_so() -> None:
+    assert client_wait_budget([(b"x-stainless-read-timeout", b"600")]) == 599.0  # answered before it gives up
+    assert client_wait_budget([(b"x-kvgate-max-wait-s", b"12.5")]) == 12.5
+    assert client_wait_budget([(b"x-stainless-read-timeout", b"nan")]) is None
+    assert client_wait_budget([]) is None
+    capped = TenantPolicy("t", "t", RateLimits(), None, 10.0, QueueClass(), wait_cap_s=10.0)
+    free = TenantPolicy("t", "t", RateLimits(), None, 120.0, QueueClass())
+    assert capped.wait_budget(599.0) == 10.0 and capped.wait_budget(None) == 10.0
+    assert free.wait_budget(599.0) == 599.0 and free.wait_budget(None) == 120.0
