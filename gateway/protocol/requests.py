@@ -1,7 +1,9 @@
 """Parsing: turn a request body into the few fields admission needs, or a 400 that says what is wrong.
 
 The body itself is forwarded unchanged; we read it, never rewrite it. Checks stop at what the gateway relies
-on (prompt, messages, n/best_of, max_tokens, stream); everything else is the engine's business.
+on (prompt, messages, n/best_of, max_tokens, stream) and what it tokenizes (message content parts, names,
+tool calls, tools): anything the tokenizer or a chat template would trip over must be a 400 here, never a 500
+later. Everything else is the engine's business.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     tools = _optional(body, "tools", list)
     if endpoint == "chat":
         messages = _messages(body)
+        if tools is not None:
+            _objects(tools, "tools")  # rendered by the chat template, or dumped to JSON and counted
     else:
         prompts = _prompts(body)
     return InferenceRequest(
@@ -91,22 +95,95 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
             raise bad_request(f"messages[{i}].content must be a string or an array.", param=f"messages[{i}]")
+        if isinstance(content, list):
+            _content_parts(content, f"messages[{i}].content")
+        if message.get("name") is not None and not isinstance(message["name"], str):
+            raise bad_request(f"messages[{i}].name must be a string.", param=f"messages[{i}].name")
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            _objects(tool_calls, f"messages[{i}].tool_calls")
     return messages
 
 
+# Part types whose text is in "text" (vLLM's TEXT_PART_TYPES less refusal and thinking, which use other keys).
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
+def _content_parts(parts: list[Any], where: str) -> None:
+    """Each part is an object with a string ``type`` (a text part with a string ``text``), or a bare string,
+    which vLLM accepts as a text part. Other part types (images, audio) are the engine's to check."""
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            continue
+        if not isinstance(part, dict):
+            raise bad_request(
+                f"{where}[{j}] must be an object (a content part), got {_json_type(part)}.", param=f"{where}[{j}]"
+            )
+        kind = part.get("type")
+        if kind is not None and not isinstance(kind, str):
+            raise bad_request(f"{where}[{j}].type must be a string.", param=f"{where}[{j}].type")
+        if kind in _TEXT_PARTS and not isinstance(part.get("text"), str):
+            raise bad_request(
+                f"{where}[{j}].text must be a string, got {_json_type(part.get('text'))}.", param=f"{where}[{j}].text"
+            )
+
+
+def _objects(value: Any, where: str) -> None:
+    """An array of objects (tool calls, tools): what chat templates iterate and index into."""
+    if not isinstance(value, list):
+        raise bad_request(f"'{where}' must be an array.", param=where)
+    for j, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise bad_request(f"{where}[{j}] must be an object, got {_json_type(item)}.", param=f"{where}[{j}]")
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
 def _prompts(body: dict[str, Any]) -> list[Prompt]:
-    """A completions prompt: a string, token ids, or a batch of either (each one is its own request)."""
+    """A completions prompt: a string, token ids, or a batch of either (each one is its own request).
+
+    Like vLLM: an empty string alone is a 400 unless ``prompt_embeds`` carries the prompt, and token ids
+    are never negative. An empty prompt inside a batch is a 400 too (vLLM refuses an empty token list with
+    "The decoder prompt cannot be empty")."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
+        if not prompt and not body.get("prompt_embeds"):
+            raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
         return [prompt]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            _token_ids(prompt, "prompt")
             return [prompt]
         if all(isinstance(p, str) for p in prompt):
+            for j, p in enumerate(prompt):
+                if not p:
+                    raise bad_request(f"prompt[{j}] is empty; every prompt of a batch needs text.", param="prompt")
             return list(prompt)
         if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            for j, p in enumerate(prompt):
+                if not p:
+                    raise bad_request(f"prompt[{j}] is empty; every prompt of a batch needs tokens.", param="prompt")
+                _token_ids(p, f"prompt[{j}]")
             return list(prompt)
     raise bad_request(
         "'prompt' must be a string, an array of strings, an array of token ids, or an array of those.",
         param="prompt",
     )
+
+
+def _token_ids(ids: list[int], where: str) -> None:
+    """Negative ids are out of every vocabulary (vLLM: "Token id -1 is out of vocabulary"). The upper bound
+    depends on the model: :class:`gateway.tokens.counting.TokenCounter` checks it when the tokenizer is known."""
+    lowest = min(ids)
+    if lowest < 0:
+        raise bad_request(f"Token id {lowest} in {where} is out of vocabulary.", param="prompt")

@@ -1,14 +1,18 @@
 """Counting prompt tokens for a parsed request, without stalling the event loop.
 
-Token-id prompts are counted exactly for free. Text goes to the configured tokenizer: a local one runs
-inline for short prompts and on a worker thread for long ones (the tokenizers and tiktoken libraries
-release the GIL while they encode); ``vllm`` asks the engine's ``/tokenize``.
+Token-id prompts are counted exactly for free (and checked against the vocabulary when the tokenizer is the
+served model's). Text goes to the configured tokenizer: a local one runs inline for short prompts and, past
+``offload_chars`` of tokenized text, on a small pool of worker threads with ``off_loop=True``, so that it
+releases the GIL while it encodes (see :mod:`gateway.tokens.tokenizers`: a worker thread that holds the GIL
+stalls the loop as surely as the loop itself). ``vllm`` asks the engine's ``/tokenize``, with a short timeout:
+an engine that cannot tokenize is a 502/503 for the client, never a 500 or a request hung for minutes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,23 +20,27 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.protocol.errors import GatewayError
-from gateway.protocol.requests import InferenceRequest
+from gateway.protocol.errors import GatewayError, bad_request, upstream_unavailable
+from gateway.protocol.requests import InferenceRequest, Prompt
 from gateway.tokens.tokenizers import (
     HeuristicTokenizer,
     LocalTokenizer,
     TokenizerUnavailable,
     load_tokenizer,
-    message_text,
 )
 
 log = logging.getLogger("kvgate.counting")
 
 _JSON = {"content-type": "application/json"}  # vLLM answers 415 to anything else
+TOKENIZE_TIMEOUT_S = 5.0
+TOKENIZE_RETRY_AFTER_S = 1.0
 
 
 class TokenCounter:
-    """Counts a request's prompt tokens with a local tokenizer, or remotely with the engine's /tokenize."""
+    """Counts a request's prompt tokens with a local tokenizer, or remotely with the engine's /tokenize.
+
+    ``workers`` bounds the threads that tokenize long prompts at once (they use a core each while the loop
+    keeps serving); ``tokenize_timeout_s`` bounds one /tokenize call, connect and answer together."""
 
     def __init__(
         self,
@@ -42,6 +50,8 @@ class TokenCounter:
         upstream: str | None = None,
         offload_chars: int = 4096,
         executor: ThreadPoolExecutor | None = None,
+        workers: int = 2,
+        tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S,
     ) -> None:
         if local is None and (session is None or upstream is None):
             raise ValueError("a remote counter needs a session and an upstream URL")
@@ -49,25 +59,26 @@ class TokenCounter:
         self._session = session
         self._upstream = (upstream or "").rstrip("/")
         self._offload_chars = offload_chars
-        self._executor = executor or ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvgate-tokenize")
+        self._executor = executor or ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvgate-tokenize")
+        self._timeout_s = tokenize_timeout_s
+        self._timeout = aiohttp.ClientTimeout(total=tokenize_timeout_s)
         self.name = local.name if local else "vllm"
         self.exact = local.exact if local else True
 
     async def count(self, request: InferenceRequest) -> tuple[int, ...]:
         """Prompt tokens per prompt (one entry for chat)."""
         if request.endpoint == "completions" and all(isinstance(p, list) for p in request.prompts):
+            if self.local is not None and self.local.vocab_size is not None:
+                _check_vocabulary(request.prompts, self.local.vocab_size)
             return tuple(len(p) for p in request.prompts)
         if self.local is None:
             return await self._count_remote(request)
-        size = _text_size(request)
-        if size <= self._offload_chars:
-            return _count_local(self.local, request)
+        if not _text_exceeds(request, self._offload_chars):
+            return _count_local(self.local, request, False)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, _count_local, self.local, request)
+        return await loop.run_in_executor(self._executor, _count_local, self.local, request, True)
 
     async def _count_remote(self, request: InferenceRequest) -> tuple[int, ...]:
-        assert self._session is not None
-        counts = []
         payloads: list[dict[str, Any]]
         if request.endpoint == "chat":
             payloads = [{"messages": request.messages, "add_generation_prompt": True}]
@@ -75,35 +86,95 @@ class TokenCounter:
                 payloads[0]["tools"] = request.tools
         else:
             payloads = [{"prompt": p} for p in request.prompts]
+        counts = []
         for payload in payloads:
             if request.model:
                 payload["model"] = request.model
-            async with self._session.post(
-                f"{self._upstream}/tokenize", data=orjson.dumps(payload), headers=_JSON
-            ) as resp:
-                body = await resp.read()
-                if resp.status != 200:
-                    # The engine's own validation errors (unknown model, bad messages) go back as they are.
-                    raise GatewayError(
-                        resp.status if resp.status < 500 else 502,
-                        f"The engine could not tokenize the request: {body[:500].decode(errors='replace')}",
-                        type="invalid_request_error" if resp.status < 500 else "upstream_error",
-                        code="tokenize_failed",
-                    )
-                counts.append(int(orjson.loads(body)["count"]))
+            counts.append(await self._tokenize(payload))
         return tuple(counts)
 
+    async def _tokenize(self, payload: dict[str, Any]) -> int:
+        """One /tokenize call. Unreachable or silent: 503 with a retry hint; a 5xx or an answer without a
+        count: 502; a 4xx is the engine judging the client's request (unknown model, bad messages): as is."""
+        assert self._session is not None
+        url = f"{self._upstream}/tokenize"
+        try:
+            async with self._session.post(
+                url, data=orjson.dumps(payload), headers=_JSON, timeout=self._timeout
+            ) as resp:
+                status, body = resp.status, await resp.read()
+        except TimeoutError:
+            log.warning("/tokenize at %s: no answer within %gs", url, self._timeout_s)
+            raise upstream_unavailable(
+                f"The engine's /tokenize did not answer within {self._timeout_s:g}s; retry later.",
+                TOKENIZE_RETRY_AFTER_S,
+            ) from None
+        except aiohttp.ClientConnectorError as exc:
+            log.warning("/tokenize at %s: %s", url, exc)  # the address is for the log, not for the client
+            raise upstream_unavailable(
+                "The engine's /tokenize is unreachable; retry later.", TOKENIZE_RETRY_AFTER_S
+            ) from None
+        except aiohttp.ClientError as exc:
+            log.warning("/tokenize at %s: %s: %s", url, type(exc).__name__, exc)
+            raise _bad_tokenize_answer(f"the connection failed before a whole answer ({type(exc).__name__})") from None
+        text = body[:500].decode(errors="replace")
+        if 400 <= status < 500:
+            raise GatewayError(status, f"The engine could not tokenize the request: {text}", code="tokenize_failed")
+        if status != 200:
+            raise _bad_tokenize_answer(f"HTTP {status}: {text}")
+        try:
+            count = orjson.loads(body)["count"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise _bad_tokenize_answer(f"no 'count' in its answer: {text}") from None
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise _bad_tokenize_answer(f"'count' is not a token count: {count!r}")
+        return count
 
-def _text_size(request: InferenceRequest) -> int:
+
+def _bad_tokenize_answer(detail: str) -> GatewayError:
+    return GatewayError(
+        502, f"The engine's /tokenize gave no usable answer: {detail}", type="upstream_error", code="tokenize_failed"
+    )
+
+
+def _check_vocabulary(prompts: Sequence[Prompt], vocab_size: int) -> None:
+    """vLLM refuses ids past its vocabulary with a 400; refusing them here spares them a wait in the queue.
+    (Negative ids were refused when the request was parsed.)"""
+    for j, prompt in enumerate(prompts):
+        highest = max(prompt, default=0) if isinstance(prompt, list) else 0
+        if highest >= vocab_size:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{j}]"
+            raise bad_request(
+                f"Token id {highest} in {where} is out of vocabulary (the model has {vocab_size} token ids).",
+                param="prompt",
+            )
+
+
+def _text_exceeds(request: InferenceRequest, limit: int) -> bool:
+    """Whether the text to tokenize is longer than ``limit`` characters, counting every string the tokenizer
+    sees: message content and its parts, names, tool calls and any other message field a chat template may
+    render, and the tools. Stops as soon as the limit is passed."""
+    if request.messages is None:
+        return sum(len(p) for p in request.prompts if isinstance(p, str)) > limit
+    size = 0
+    stack: list[Any] = [request.messages, request.tools]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            size += len(item)
+            if size > limit:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _count_local(tokenizer: LocalTokenizer, request: InferenceRequest, off_loop: bool) -> tuple[int, ...]:
     if request.messages is not None:
-        return sum(len(message_text(m)) for m in request.messages)
-    return sum(len(p) for p in request.prompts if isinstance(p, str))
-
-
-def _count_local(tokenizer: LocalTokenizer, request: InferenceRequest) -> tuple[int, ...]:
-    if request.messages is not None:
-        return (tokenizer.count_messages(request.messages, request.tools),)
-    return tuple(len(p) if isinstance(p, list) else tokenizer.count(p) for p in request.prompts)
+        return (tokenizer.count_messages(request.messages, request.tools, off_loop=off_loop),)
+    return tuple(len(p) if isinstance(p, list) else tokenizer.count(p, off_loop=off_loop) for p in request.prompts)
 
 
 async def build_counter(
@@ -113,13 +184,20 @@ async def build_counter(
     upstream: str,
     model_root: str | None,
     offload_chars: int,
+    tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S,
 ) -> TokenCounter:
     """Resolve a tokenizer spec; ``auto`` tries, in order: the served model's own directory (when the engine
     reports a local path in /v1/models, as a sidecar sharing the model volume sees), the engine's /tokenize,
     then the heuristic. The choice is logged, because it decides how exact admission is."""
 
     def make(local: LocalTokenizer | None) -> TokenCounter:
-        return TokenCounter(local, session=session, upstream=upstream, offload_chars=offload_chars)
+        return TokenCounter(
+            local,
+            session=session,
+            upstream=upstream,
+            offload_chars=offload_chars,
+            tokenize_timeout_s=tokenize_timeout_s,
+        )
 
     if spec == "vllm":
         return make(None)
@@ -151,5 +229,5 @@ async def _tokenize_endpoint_works(session: aiohttp.ClientSession, upstream: str
             timeout=aiohttp.ClientTimeout(total=5),
         ) as resp:
             return resp.status == 200 and "count" in orjson.loads(await resp.read())
-    except (aiohttp.ClientError, TimeoutError, ValueError):
+    except (aiohttp.ClientError, TimeoutError, ValueError, TypeError):
         return False

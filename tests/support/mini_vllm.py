@@ -205,8 +205,32 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data}, headers={"x-upstream": "mini-vllm"})
 
 
-async def tokenize(request: web.Request) -> web.Response:
+# --tokenize-fault: how a broken /tokenize misbehaves (for the gateway's `vllm` counter). "hang" answers after
+# 60 s, "garbage" is a 200 that is not JSON, "no-count" is JSON without "count", "500" an internal error and
+# "close" drops the connection without an answer.
+TOKENIZE_FAULTS = ("none", "hang", "garbage", "no-count", "500", "close")
+
+
+async def _tokenize_fault(request: web.Request, fault: str) -> web.StreamResponse:
+    await request.read()
+    if fault == "hang":
+        await asyncio.sleep(60)
+    if fault == "garbage":
+        return web.Response(text="<html>oops</html>", content_type="text/html")
+    if fault == "no-count":
+        return web.json_response({"tokens": [1, 2, 3]})
+    if fault == "close":
+        assert request.transport is not None
+        request.transport.close()
+        return web.Response()
+    return web.Response(status=500, text="Internal Server Error")
+
+
+async def tokenize(request: web.Request) -> web.StreamResponse:
     st: State = request.app["state"]
+    fault = request.app.get("tokenize_fault", "none")
+    if fault != "none":
+        return await _tokenize_fault(request, fault)
     body = orjson.loads(await request.read())
     n = _prompt_tokens(body)
     return web.json_response({"count": n, "max_model_len": st.max_model_len, "tokens": list(range(n))})
@@ -267,6 +291,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
     app["state"] = State(
         args.num_blocks, args.block_size, args.max_model_len, args.token_delay_ms / 1000, args.busy_after, args.model
     )
+    app["tokenize_fault"] = getattr(args, "tokenize_fault", "none")
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_get("/metrics", metrics)
@@ -290,6 +315,7 @@ def main() -> None:
     p.add_argument("--token-delay-ms", type=float, default=0.0)
     p.add_argument("--busy-after", type=int, default=None, help="reject like vLLM's --max-num-queued-reqs")
     p.add_argument("--model", default="mini")
+    p.add_argument("--tokenize-fault", choices=TOKENIZE_FAULTS, default="none", help="break /tokenize this way")
     args = p.parse_args()
     try:
         import uvloop

@@ -68,3 +68,71 @@ def test_malformed_json_is_400(raw: bytes) -> None:
         parse_request("chat", raw)
     assert err.value.status == 400
     assert set(orjson.loads(err.value.body())["error"]) == {"message", "type", "param", "code"}
+
+
+def _chat(*messages: object, **extra: object) -> dict[str, object]:
+    return {"messages": list(messages), **extra}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (_chat({"role": "user", "content": [{"type": "text", "text": None}]}), "messages[0].content[0].text"),
+        (_chat({"role": "user", "content": [{"type": "text"}]}), "messages[0].content[0].text"),
+        (_chat({"role": "user", "content": [{"type": "text", "text": 5}]}), "messages[0].content[0].text"),
+        (_chat({"role": "user", "content": [{"type": "input_text", "text": []}]}), "messages[0].content[0].text"),
+        (_chat({"role": "user", "content": [123]}), "messages[0].content[0]"),
+        (_chat({"role": "user", "content": ["ok", None]}), "messages[0].content[1]"),
+        (_chat({"role": "user", "content": [["nested"]]}), "messages[0].content[0]"),
+        (_chat({"role": "user", "content": [True]}), "messages[0].content[0]"),
+        (_chat({"role": "user", "content": [{"type": 7, "text": "x"}]}), "messages[0].content[0].type"),
+        (_chat({"role": "user", "content": "x"}, {"role": "user", "content": "y", "name": 5}), "messages[1].name"),
+        (_chat({"role": "assistant", "content": None, "tool_calls": "call"}), "messages[0].tool_calls"),
+        (_chat({"role": "assistant", "content": None, "tool_calls": [1]}), "messages[0].tool_calls[0]"),
+        (_chat({"role": "user", "content": "x"}, tools=[{"type": "function"}, "f"]), "tools[1]"),
+        (_chat({"role": "user", "content": "x"}, tools={"type": "function"}), "tools"),
+    ],
+)
+def test_tokenized_chat_fields_are_checked(body: dict[str, object], param: str) -> None:
+    """Everything the tokenizer or a chat template reads: a wrong type is a 400 naming it, never a 500 later."""
+    with pytest.raises(GatewayError) as err:
+        parse("chat", body)
+    assert (err.value.status, err.value.type, err.value.param) == (400, "invalid_request_error", param)
+    assert set(orjson.loads(err.value.body())["error"]) == {"message", "type", "param", "code"}
+
+
+def test_valid_content_parts_pass() -> None:
+    """Bare strings are text parts to vLLM; media parts are the engine's to judge."""
+    parts = [
+        {"type": "text", "text": "describe"},
+        "and a bare string",
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "refusal", "refusal": "no"},
+    ]
+    r = parse("chat", _chat({"role": "user", "content": parts, "name": "bob"}, tools=[{"type": "function"}]))
+    assert r.messages is not None and r.messages[0]["content"] == parts and r.tools == [{"type": "function"}]
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert parse("chat", _chat({"role": "assistant", "content": None, "tool_calls": [tool_call]})).messages
+
+
+@pytest.mark.parametrize(
+    ("prompt", "fragment"),
+    [
+        ("", "non-empty"),  # vLLM: "Either prompt or prompt_embeds must be provided and non-empty."
+        (["a", ""], "prompt[1] is empty"),
+        ([""], "prompt[0] is empty"),
+        ([[1], []], "prompt[1] is empty"),
+        ([[]], "prompt[0] is empty"),
+        ([5, -1, 3], "Token id -1"),
+        ([[1], [2, -7]], "Token id -7"),
+    ],
+)
+def test_empty_prompts_and_negative_ids_are_400(prompt: object, fragment: str) -> None:
+    with pytest.raises(GatewayError) as err:
+        parse("completions", {"prompt": prompt})
+    assert (err.value.status, err.value.param) == (400, "prompt") and fragment in err.value.message
+
+
+def test_an_empty_prompt_with_prompt_embeds_is_vllms_to_judge() -> None:
+    assert parse("completions", {"prompt": "", "prompt_embeds": "AAAA"}).prompts == [""]
+    assert parse("completions", {"prompt": [0]}).prompts == [[0]]
