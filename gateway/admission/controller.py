@@ -287,9 +287,12 @@ class AdmissionController:
         if not self.config.output_estimate.enabled or cost.max_output == 0 or q >= 1 or self.geometry is None:
             return cost
         expected = self.lengths.quantile(key, q)
-        if expected is None or expected >= cost.max_output:
+        if expected is None:
             return cost
-        return cost.capped(max(1, expected), self.geometry.block_size)
+        expected = max(expected, cost.min_output, 1)  # min_tokens: it will produce at least that many
+        if expected >= cost.max_output:
+            return cost
+        return cost.capped(expected, self.geometry.block_size)
 
     def learn(self, res: Reservation, completion_tokens: int) -> None:
         """A request finished normally after producing ``completion_tokens`` (over all its sequences)."""

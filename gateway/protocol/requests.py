@@ -28,6 +28,11 @@ class InferenceRequest:
     messages: list[dict[str, Any]] | None
     prompts: list[Prompt]
     tools: list[Any] | None
+    min_tokens: int = 0  # vLLM's floor: the output is at least this long (if the budget allows)
+
+
+# vLLM's CompletionRequest defaults max_tokens to 16; chat leaves it open (the context's rest).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
@@ -50,6 +55,11 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     max_tokens = _positive_int(body, "max_tokens")
     if endpoint == "chat":
         max_tokens = _positive_int(body, "max_completion_tokens") or max_tokens
+    elif max_tokens is None:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    min_tokens = _optional(body, "min_tokens", int) or 0
+    if min_tokens < 0:
+        raise bad_request(f"'min_tokens' must be at least 0, got {min_tokens}.", param="min_tokens")
 
     messages: list[dict[str, Any]] | None = None
     prompts: list[Prompt] = []
@@ -68,6 +78,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         messages=messages,
         prompts=prompts,
         tools=tools,
+        min_tokens=min_tokens,
     )
 
 

@@ -35,6 +35,7 @@ class RequestCost:
     max_output: int  # the largest output budget of any prompt
     blocks: int
     outputs: tuple[int, ...] | None = None
+    min_output: int = 0  # the request's min_tokens: no estimate goes below it
 
     @property
     def output_budgets(self) -> tuple[int, ...]:
@@ -67,7 +68,9 @@ class RequestCost:
         blocks = self.sequences_per_prompt * sum(
             blocks_for(p + o, block_size) for p, o in zip(self.prompt_tokens, outputs, strict=True)
         )
-        return RequestCost(self.prompt_tokens, self.sequences_per_prompt, max(outputs, default=0), blocks, outputs)
+        return RequestCost(
+            self.prompt_tokens, self.sequences_per_prompt, max(outputs, default=0), blocks, outputs, self.min_output
+        )
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -95,6 +98,7 @@ def estimate_cost(
     max_model_len: int | None,
     geometry: KvGeometry,
     high_watermark: float,
+    min_tokens: int = 0,
 ) -> RequestCost:
     """Turn token counts into a block reservation, rejecting what the engine could never serve: a prompt
     longer than the context (vLLM's own 400), or a request larger than the pool may ever hold."""
@@ -122,4 +126,5 @@ def estimate_cost(
             code="kv_cache_capacity_exceeded",
         )
     uniform = all(o == output for o in outputs)
-    return RequestCost(prompt_tokens, sequences_per_prompt, output, blocks, None if uniform else outputs)
+    floor = min(min_tokens, output)
+    return RequestCost(prompt_tokens, sequences_per_prompt, output, blocks, None if uniform else outputs, floor)

@@ -45,4 +45,5 @@ class CostEstimator:
             max_model_len=self._max_model_len(),
             geometry=geometry,
             high_watermark=self._high_watermark,
+            min_tokens=request.min_tokens,
         )

@@ -122,3 +122,17 @@ def test_the_ledger_stays_exact_whatever_the_estimates(seed: int, learned: list[
     for res in live:
         c.release(res, 1000.0)
     assert c.ledger.reserved_blocks == 0 and c.ledger.reserved_count == c.ledger.released_count
+
+
+def test_min_tokens_is_a_floor_of_the_estimate() -> None:
+    c = controller()
+    seed = c.submit(chat(), "t", 0.0, key=KEY)
+    assert isinstance(seed, Admitted)
+    for _ in range(8):
+        c.learn(seed.reservation, 50)
+    floor = estimate_cost(
+        (100,), max_tokens=None, sequences_per_prompt=1, max_model_len=4096, geometry=GEO, high_watermark=0.9,
+        min_tokens=400,
+    )  # fmt: skip
+    assert c.expected_cost(floor, KEY).max_output == 400
+    assert c.expected_cost(chat(), KEY).max_output == 50

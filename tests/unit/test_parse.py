@@ -136,3 +136,11 @@ def test_empty_prompts_and_negative_ids_are_400(prompt: object, fragment: str) -
 def test_an_empty_prompt_with_prompt_embeds_is_vllms_to_judge() -> None:
     assert parse("completions", {"prompt": "", "prompt_embeds": "AAAA"}).prompts == [""]
     assert parse("completions", {"prompt": [0]}).prompts == [[0]]
+
+
+def test_completions_default_to_vllms_16_tokens_and_chat_stays_open() -> None:
+    """vLLM's CompletionRequest defaults max_tokens to 16; a chat without one may use the context's rest."""
+    assert parse_request("completions", b'{"prompt": "a"}').max_tokens == 16
+    assert parse_request("completions", b'{"prompt": "a", "max_tokens": 99}').max_tokens == 99
+    assert parse_request("chat", b'{"messages": [{"role": "user", "content": "a"}]}').max_tokens is None
+    assert parse_request("completions", b'{"prompt": "a", "min_tokens": 7}').min_tokens == 7
