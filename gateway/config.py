@@ -68,6 +68,12 @@ class OutputEstimateConfig(_Model):
         "whole budget; a request that outruns it grows its reservation as it streams.",
     )
     quantile: float = Field(0.9, gt=0, le=1, description="The quantile reserved while the engine stays healthy.")
+    prior_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Output tokens per sequence expected while nothing has been learned yet (cold start); "
+        "unset: the whole budget until min_samples requests have finished.",
+    )
     min_samples: int = Field(32, ge=1, description="Finished requests a key needs before it is trusted.")
     window: int = Field(512, ge=16, description="Latest finished requests remembered per key.")
     relax_after_s: float = Field(

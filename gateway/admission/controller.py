@@ -286,7 +286,7 @@ class AdmissionController:
         q = self.caution.quantile
         if not self.config.output_estimate.enabled or cost.max_output == 0 or q >= 1 or self.geometry is None:
             return cost
-        expected = self.lengths.quantile(key, q)
+        expected = self.lengths.quantile(key, q) or self.config.output_estimate.prior_tokens
         if expected is None:
             return cost
         expected = max(expected, cost.min_output, 1)  # min_tokens: it will produce at least that many

@@ -136,3 +136,13 @@ def test_min_tokens_is_a_floor_of_the_estimate() -> None:
     )  # fmt: skip
     assert c.expected_cost(floor, KEY).max_output == 400
     assert c.expected_cost(chat(), KEY).max_output == 50
+
+
+def test_a_configured_prior_stands_in_until_lengths_are_learned() -> None:
+    config = AdmissionConfig(output_estimate=OutputEstimateConfig(enabled=True, min_samples=4, prior_tokens=300))
+    c = AdmissionController(config, GEO)
+    assert c.expected_cost(chat(), KEY).max_output == 300
+    res = c.ledger.reserve(chat(), "t", 0.0, key=KEY)
+    for _ in range(4):
+        c.learn(res, 80)
+    assert c.expected_cost(chat(), KEY).max_output == 80

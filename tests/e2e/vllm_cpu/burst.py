@@ -37,8 +37,36 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 
 @dataclass(frozen=True)
 class BurstRequest:
-    prompt: list[int]
-    max_tokens: int
+    """``prompt`` as token ids (a completion) or text (a chat message). ``natural``: the output stops on its
+    own (sampling with stop tokens kvgate cannot see) instead of running to ``max_tokens`` with ignore_eos."""
+
+    prompt: list[int] | str
+    max_tokens: int | None
+    natural: bool = False
+
+
+# Sampled at temperature 1, each generated token is one of these with probability ~K/vocab: output lengths
+# are then roughly geometric, median ~300 tokens on the tiny model (measured: K=12 gave a median of 244, K=6
+# of 405), and no request says how long it will be. (A per-request seed would pin them, but crashes the CPU
+# engine's sampler: "CPU Generator does not use offset".)
+NATURAL_STOP_IDS = random.Random(99).sample(range(FIRST_PLAIN_ID, VOCAB_SIZE), 10)
+WORDS = [
+    "cache",
+    "block",
+    "token",
+    "engine",
+    "queue",
+    "stream",
+    "admit",
+    "gate",
+    "ledger",
+    "prompt",
+    "model",
+    "batch",
+    "decode",
+    "prefill",
+    "memory",
+]
 
 
 def make_burst(
@@ -84,17 +112,34 @@ class BurstResult:
         return json.dumps({k: v for k, v in asdict(self).items() if k != "errors"} | {"errors": self.errors[:3]})
 
 
+def make_natural_burst(
+    n: int = 64, prompt_range: tuple[int, int] = (500, 1500), cap: int = 1536, seed: int = 0
+) -> list[BurstRequest]:
+    """Clients as they are: half chats with no max_tokens, half completions with a generous cap, every output
+    stopping on its own long before either."""
+    rng = random.Random(seed)
+    burst = []
+    for i in range(n):
+        plen = rng.randint(*prompt_range)
+        if i % 2:
+            burst.append(BurstRequest([rng.randrange(FIRST_PLAIN_ID, VOCAB_SIZE) for _ in range(plen)], cap, True))
+        else:  # a chat message of about plen tokens
+            burst.append(BurstRequest(" ".join(rng.choice(WORDS) for _ in range(plen // 2)), None, True))
+    return burst
+
+
 async def _one(client: openai.AsyncOpenAI, req: BurstRequest, t0: float) -> tuple[int, float]:
-    """Stream one completion; return (completion tokens per the engine's usage, time to first token)."""
-    stream = await client.completions.create(
-        model=MODEL,
-        prompt=req.prompt,
-        max_tokens=req.max_tokens,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-    )
+    """Stream one request; return (completion tokens per the engine's usage, time to first token)."""
+    if req.natural:
+        sampling: dict[str, object] = {"temperature": 1.0, "extra_body": {"stop_token_ids": NATURAL_STOP_IDS}}
+    else:
+        sampling = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+    common = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True}, **sampling}
+    if isinstance(req.prompt, str):
+        messages = [{"role": "user", "content": req.prompt}]
+        stream = await client.chat.completions.create(messages=messages, **common)
+    else:
+        stream = await client.completions.create(prompt=req.prompt, max_tokens=req.max_tokens, **common)
     ttft = float("nan")
     completion_tokens = -1
     async for chunk in stream:
@@ -102,7 +147,7 @@ async def _one(client: openai.AsyncOpenAI, req: BurstRequest, t0: float) -> tupl
             ttft = time.monotonic() - t0
         if chunk.usage is not None:
             completion_tokens = chunk.usage.completion_tokens
-    if completion_tokens != req.max_tokens:
+    if completion_tokens < 0 or (not req.natural and completion_tokens != req.max_tokens):
         raise AssertionError(f"generated {completion_tokens} tokens, expected {req.max_tokens}")
     return completion_tokens, ttft
 
