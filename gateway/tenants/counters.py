@@ -8,8 +8,10 @@
 
 A request waits for a concurrency slot in FIFO order behind the other requests of its key on this replica;
 with Redis it retries every ``slot_poll_s`` (slots freed on other replicas are not announced) and at once
-when a slot is freed here. Settling and releasing never make a request wait on Redis: they run in the
-background.
+when a slot is freed here. The wait is bounded: by the tenant's ``max_queued``, else by
+``default_max_waiters``; on drain :meth:`TenantCounters.fail_waiters` ends every wait. Settling and releasing
+never make a request wait on Redis: they run in the background, and a release Redis did not take is retried
+when the leases are next renewed.
 """
 
 from __future__ import annotations
@@ -51,18 +53,32 @@ class Charge:
 class TenantCounters:
     """A tenant's rate-limit buckets and concurrency slots, in-process or shared through Redis."""
 
-    def __init__(self, cfg: RedisConfig, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: RedisConfig,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float] = time.monotonic,
+        default_max_waiters: int | None = None,
+    ) -> None:
+        """``default_max_waiters`` bounds the requests of one key waiting for a slot (with the tenant's requests
+        in the admission queue) when the tenant sets no ``max_queued``; None leaves them unbounded."""
         self.cfg = cfg
         self.metrics = metrics
         self.clock = clock
+        self.default_max_waiters = default_max_waiters
         self.local = RateLimiter()
         self.slots = SlotTable()
-        self.redis = RedisState(cfg, on_error=metrics.redis_errors.inc) if cfg.url else None
+        self.redis = (
+            RedisState(cfg, on_health=self._on_redis_health, on_error=metrics.redis_errors.inc) if cfg.url else None
+        )
         self._waiters: dict[str, deque[asyncio.Event]] = {}
+        self._failing: Callable[[float], GatewayError] | None = None  # set by fail_waiters (drain)
         self._redis_held: dict[str, tuple[str, str]] = {}
+        self._unreleased: dict[str, tuple[str, float]] = {}  # member -> (key, when): a release Redis did not take
         self._members = itertools.count(1)
         self._background: set[asyncio.Task[Any]] = set()
         self._renewer: asyncio.Task[None] | None = None
+        self._renew_soon = asyncio.Event()
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
@@ -170,13 +186,19 @@ class TenantCounters:
         deadline: float,
         queued_elsewhere: Callable[[], int],
     ) -> Slot:
-        line = self._waiters.setdefault(tp.key, deque())
-        if not line:
+        if not self._waiters.get(tp.key):
             slot = await self._try(tp, limit)
             if slot is not None:
                 return slot
-        max_queued = tp.qclass.max_queued
+        if self._failing is not None:
+            raise self._failing(1.0)
+        # Fetched after the await above: meanwhile the last waiter may have left and removed the line, and
+        # waiting in a detached one would split the key's FIFO (and its bound) in two.
+        line = self._waiters.setdefault(tp.key, deque())
+        max_queued = tp.qclass.max_queued if tp.qclass.max_queued is not None else self.default_max_waiters
         if max_queued is not None and len(line) + queued_elsewhere() >= max_queued:
+            if not line:
+                del self._waiters[tp.key]
             raise GatewayError(
                 429,
                 f"Tenant '{tp.tenant}' has {max_queued} request(s) waiting already.",
@@ -189,6 +211,8 @@ class TenantCounters:
         line.append(me)
         try:
             while True:
+                if self._failing is not None:
+                    raise self._failing(1.0)
                 head = line[0] is me
                 if head:
                     slot = await self._try(tp, limit)
@@ -203,8 +227,11 @@ class TenantCounters:
                     )
                 shared = self.redis is not None and self.redis.healthy
                 poll = min(remaining, self.cfg.slot_poll_s) if head and shared else remaining
+                # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that arrives as the
+                # event is set, and a client that went away would then go on to take a slot and reach the engine.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(me.wait(), poll)
+                    async with asyncio.timeout(poll):
+                        await me.wait()
                 me.clear()
         finally:
             with contextlib.suppress(ValueError):
@@ -214,6 +241,15 @@ class TenantCounters:
             elif self._waiters.get(tp.key) is line:
                 del self._waiters[tp.key]
 
+    def fail_waiters(self, error: Callable[[float], GatewayError]) -> None:
+        """Drain: every request waiting for a slot raises ``error(retry_after_s)``, and so does every later one
+        that would have to wait (one that finds a slot free still gets it). Like
+        :meth:`~gateway.admission.admitter.Admitter.fail_all_queued` for the admission queue."""
+        self._failing = error
+        for line in self._waiters.values():
+            for waiter in line:
+                waiter.set()
+
     async def _try(self, tp: TenantPolicy, limit: int) -> Slot | None:
         if self.redis is not None and self.redis.healthy:
             member = f"{self.redis.replica_id}:{next(self._members)}"
@@ -221,9 +257,9 @@ class TenantCounters:
                 got = await self.redis.acquire(tp.key, limit, member)
             except RedisUnavailable:
                 got = None  # fall back below; if the script did run, give the slot straight back
-                self._spawn(self.redis.release(tp.key, member))
+                self._release_redis(tp.key, member)
             except asyncio.CancelledError:
-                self._spawn(self.redis.release(tp.key, member))  # it may have been granted meanwhile
+                self._release_redis(tp.key, member)  # it may have been granted meanwhile
                 raise
             if got is not None:
                 if not got:
@@ -244,18 +280,61 @@ class TenantCounters:
         else:
             slot.released = True
             self._redis_held.pop(slot.member, None)
-            if self.redis is not None:
-                self._spawn(self.redis.release(slot.key, slot.member))
+            self._release_redis(slot.key, slot.member)
         line = self._waiters.get(slot.key)
         if line:
             line[0].set()
 
+    def _release_redis(self, key: str, member: str) -> None:
+        """ZREM in the background; if Redis does not take it, the next renewal retries it (else the member
+        would hold one of the tenant's slots on every replica until its lease runs out)."""
+        redis = self.redis
+        if redis is None:
+            return
+
+        async def release() -> None:
+            try:
+                await redis.release(key, member)
+            except RedisUnavailable:
+                self._unreleased.setdefault(member, (key, self.clock()))
+                raise
+            self._unreleased.pop(member, None)
+
+        self._spawn(release())
+
+    def _on_redis_health(self, up: bool) -> None:
+        if up:
+            self._renew_soon.set()  # a restarted Redis lost our slots: put them back before others take them
+
+    async def renew_leases(self) -> None:
+        """Extend the leases of the Redis slots this replica holds, putting back any that lapsed, and retry the
+        releases Redis missed. Runs every ``slot_lease_s / 3`` and as soon as Redis is back."""
+        if self.redis is None or not self.redis.healthy:
+            return  # the probe sets _renew_soon when Redis is back
+        held = list(self._redis_held.values())
+        await self.redis.renew(held)
+        for key, member in held:
+            if member not in self._redis_held:  # released while the renewal was in flight: it put it back
+                self._release_redis(key, member)
+        stale = self.clock() - self.cfg.slot_lease_s
+        for member, (key, since) in list(self._unreleased.items()):
+            if since < stale:
+                del self._unreleased[member]  # its lease has run out: Redis dropped it by itself
+            else:
+                self._release_redis(key, member)
+
     async def _renew_leases(self) -> None:
-        assert self.redis is not None
         while True:
-            await asyncio.sleep(self.cfg.slot_lease_s / 3)
-            with contextlib.suppress(RedisUnavailable):
-                await self.redis.renew(list(self._redis_held.values()))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.slot_lease_s / 3):
+                    await self._renew_soon.wait()
+            self._renew_soon.clear()
+            try:
+                await self.renew_leases()
+            except RedisUnavailable:
+                pass
+            except Exception:  # the loop must outlive any one failure, or every held slot lapses
+                log.exception("renewing slot leases failed")
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         async def quietly() -> None:

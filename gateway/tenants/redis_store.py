@@ -31,20 +31,28 @@ T = TypeVar("T")
 # A token bucket per key, the same arithmetic as gateway.tenants.ratelimit.TokenBucket: capacity per 60 s.
 # ARGV: rpm (0 = unlimited), tpm (0 = unlimited), tokens to charge.
 # Returns {allowed, requests left, tokens left, request wait s, token wait s (-1 = never fits)}.
+# Each dimension keeps its level, when it was computed, and the capacity it was computed for ('r','rt','rc';
+# 't','tt','tc'). As in the in-process RateLimiter: a bucket that does not exist yet starts full (a new key, a
+# limit added by a reload), a resized one keeps what was used (TokenBucket.resize), and an unlimited dimension
+# keeps no bucket, so a limit added later starts full rather than from a stored 0. A key written before the
+# capacity was stored is taken to be at the current capacity.
 _CHECK = """
 local key = KEYS[1]
 local rpm, tpm, tokens = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local v = redis.call('HMGET', key, 'r', 'rt', 't', 'tt')
-local function refill(level, ts, cap)
+local v = redis.call('HMGET', key, 'r', 'rt', 'rc', 't', 'tt', 'tc')
+local function level(lvl, ts, old, cap)
   if cap <= 0 then return 0 end
-  if not level then return cap end
-  level, ts = tonumber(level), tonumber(ts)
-  if now > ts then level = level + (now - ts) * cap / 60 end
-  return math.min(cap, level)
+  if not lvl then return cap end
+  lvl, ts, old = tonumber(lvl), tonumber(ts), tonumber(old) or cap
+  if old <= 0 then return cap end
+  if now > ts then lvl = lvl + (now - ts) * old / 60 end
+  lvl = math.min(old, lvl)
+  if old ~= cap then lvl = math.max(0, math.min(cap, cap - (old - lvl))) end
+  return lvl
 end
-local r, tk = refill(v[1], v[2], rpm), refill(v[3], v[4], tpm)
+local r, tk = level(v[1], v[2], v[3], rpm), level(v[4], v[5], v[6], tpm)
 local rwait, twait = 0, 0
 if rpm > 0 and r < 1 then rwait = (1 - r) * 60 / rpm end
 if tpm > 0 and tk < tokens then
@@ -56,22 +64,33 @@ if rwait == 0 and twait == 0 then
   if rpm > 0 then r = r - 1 end
   if tpm > 0 then tk = tk - tokens end
 end
-redis.call('HSET', key, 'r', tostring(r), 'rt', tostring(now), 't', tostring(tk), 'tt', tostring(now))
+if rpm > 0 then
+  redis.call('HSET', key, 'r', tostring(r), 'rt', tostring(now), 'rc', tostring(rpm))
+else
+  redis.call('HDEL', key, 'r', 'rt', 'rc')
+end
+if tpm > 0 then
+  redis.call('HSET', key, 't', tostring(tk), 'tt', tostring(now), 'tc', tostring(tpm))
+else
+  redis.call('HDEL', key, 't', 'tt', 'tc')
+end
 redis.call('PEXPIRE', key, 61000)
 return {allowed, tostring(r), tostring(tk), tostring(rwait), tostring(twait)}
 """
 
-# Give back unused pre-charged tokens. ARGV: tpm, amount.
+# Give back unused pre-charged tokens, at the capacity the bucket was last charged with (as TokenBucket.refund
+# does; the next check resizes it). ARGV: tpm (for a key written before the capacity was stored), amount.
 _REFUND = """
 local key = KEYS[1]
 local tpm, amount = tonumber(ARGV[1]), tonumber(ARGV[2])
-local v = redis.call('HMGET', key, 't', 'tt')
+local v = redis.call('HMGET', key, 't', 'tt', 'tc')
 if not v[1] then return 0 end
+local cap = tonumber(v[3]) or tpm
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local level, ts = tonumber(v[1]), tonumber(v[2])
-if now > ts then level = level + (now - ts) * tpm / 60 end
-level = math.min(tpm, level + amount)
+if now > ts then level = level + (now - ts) * cap / 60 end
+level = math.min(cap, level + amount)
 redis.call('HSET', key, 't', tostring(level), 'tt', tostring(now))
 return 1
 """
@@ -94,12 +113,16 @@ return 0
 """
 
 # Extend the leases of slots this replica still holds. KEYS: sets; ARGV: lease ms, then one member per key.
+# A plain ZADD, not XX: a slot whose lease lapsed (Redis restarted or unreachable, a late renewal) is still held
+# by a running request, and must be counted again, or the other replicas admit past the limit on its account.
+# If one of them took the freed place meanwhile, the set is over the limit for a while and admits no one until
+# it is back under: the excess is one lapse's worth and ends, instead of lasting as long as the request.
 _RENEW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
-  redis.call('ZADD', key, 'XX', now + lease, ARGV[i + 1])
+  redis.call('ZADD', key, now + lease, ARGV[i + 1])
   redis.call('PEXPIRE', key, lease * 2)
 end
 return #KEYS
@@ -204,7 +227,10 @@ class RedisState:
         if not self.healthy:
             raise RedisUnavailable
         try:
-            result = await asyncio.wait_for(op(), self.cfg.timeout_s)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that arrives as the reply
+            # does, and a caller that was cancelled (its client left) would carry on with what it got.
+            async with asyncio.timeout(self.cfg.timeout_s):
+                result = await op()
         except TimeoutError as exc:
             self.errors += 1
             self._timeouts += 1

@@ -5,6 +5,13 @@ symlink, so the file's own inode and mtime may not change where it is opened thr
 watcher therefore compares the fully resolved path *and* the target's identity (inode, mtime, size), and
 then the content itself, so both a plain rewrite and a symlink swap are seen. Polling (default every
 second) needs no inotify and works on every volume type.
+
+A reload fails closed. A changed file is read only once its signature has stayed the same for two consecutive
+polls, so a file that a writer truncated and is still filling in is not taken for the new policy (a reload
+takes effect one poll later than it is seen). A file with no settings at all (empty, blanks or comments only)
+is rejected like a schema-invalid one: it is what a truncated file or a broken ConfigMap looks like, and
+applying it would drop every tenant and turn ``require_api_key`` off. An explicit ``{}`` still means "all
+defaults".
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+
+import yaml
 
 from gateway.config import ConfigError, GatewayConfig, parse_config
 from gateway.metrics import GatewayMetrics
@@ -37,6 +46,18 @@ def file_signature(path: str) -> Signature | None:
     return (real, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
+def has_no_settings(text: str) -> bool:
+    """True for a document with nothing in it (empty, whitespace, comments, a bare ``---`` or ``null``).
+
+    A YAML syntax error is not "empty": :func:`parse_config` reports it with its location."""
+    if not text.strip():
+        return True  # even with tabs, which YAML would call a syntax error
+    try:
+        return yaml.safe_load(text) is None
+    except yaml.YAMLError:
+        return False
+
+
 class ConfigWatcher:
     def __init__(
         self,
@@ -49,7 +70,8 @@ class ConfigWatcher:
         self.interval_s = interval_s
         self.apply = apply
         self.metrics = metrics
-        self._signature = file_signature(path)
+        self._signature = file_signature(path)  # of the file last read (applied, rejected or unchanged)
+        self._pending: Signature | None = None  # a new signature seen on the previous poll, not yet read
         self._digest = _digest(path)
         self._current = _try_load(path)
 
@@ -59,26 +81,35 @@ class ConfigWatcher:
             await self.check()
 
     async def check(self) -> bool | None:
-        """Reload if the file changed: True applied, False rejected, None nothing to do."""
+        """Reload if the file changed and has settled: True applied, False rejected, None nothing to do (yet).
+
+        A new signature is only noted; it is read when the next poll sees the same signature again."""
         signature = await asyncio.to_thread(file_signature, self.path)
         if signature is None or signature == self._signature:
+            self._pending = None
             return None
-        self._signature = signature
+        if signature != self._pending:
+            self._pending = signature  # changed since the last poll: it may still be being written
+            return None
         try:
             text = await asyncio.to_thread(Path(self.path).read_text, encoding="utf-8")
         except OSError as exc:
             log.warning("config %s changed but cannot be read: %s", self.path, exc)
             return None
+        if await asyncio.to_thread(file_signature, self.path) != signature:
+            self._pending = None  # written to while we read it: wait for it to settle again
+            return None
+        self._signature, self._pending = signature, None
         digest = hashlib.sha256(text.encode()).hexdigest()
         if digest == self._digest:
             return None
         self._digest = digest
+        if has_no_settings(text):
+            return self._reject([f"{self.path}: the file has no settings (empty, or only comments)"])
         try:
             new = parse_config(text, self.path)
         except ConfigError as exc:
-            self.metrics.policy_reloads.labels("rejected").inc()
-            log.error("config reload rejected, keeping the current policy:\n%s", "\n".join(exc.errors))
-            return False
+            return self._reject(exc.errors)
         if self._current is not None:
             restart = sorted(
                 name
@@ -92,6 +123,11 @@ class ConfigWatcher:
         self.metrics.policy_reloads.labels("applied").inc()
         log.info("config reloaded from %s: %d tenant(s)", self.path, len(new.tenants))
         return True
+
+    def _reject(self, errors: list[str]) -> bool:
+        self.metrics.policy_reloads.labels("rejected").inc()
+        log.error("config reload rejected, keeping the current policy:\n%s", "\n".join(errors))
+        return False
 
 
 def _digest(path: str) -> str | None:

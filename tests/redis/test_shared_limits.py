@@ -1,18 +1,22 @@
 """Shared limits against a real redis-server: the Lua scripts, two limiters sharing one count, and what happens
-when Redis is killed and comes back (fail-open and fail-closed)."""
+when Redis is killed and comes back (fail-open and fail-closed); slots that lapsed are put back, reloaded limits
+start as the in-process buckets do, and a drain ends the waits for shared slots."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.config import RedisConfig, parse_config
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.errors import GatewayError
+from gateway.protocol.errors import GatewayError, shutting_down
 from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import Policy, TenantPolicy
-from gateway.tenants.ratelimit import RateLimits
+from gateway.tenants.ratelimit import RateDecision, RateLimiter, RateLimits
 from gateway.tenants.redis_store import RedisState, RedisUnavailable
 from tests.redis.conftest import RedisServer
 from tests.support.tenant_slots import held_slot
@@ -144,4 +148,165 @@ async def test_fail_closed_then_recover(redis_server: RedisServer) -> None:
             break
         await asyncio.sleep(0.05)
     assert (await limits.check(tp, 10)).backend == "redis"
+    await limits.close()
+
+
+ONE_SLOT = """
+tenants:
+  - name: one
+    max_concurrent: 1
+"""
+
+
+def one_slot() -> TenantPolicy:
+    cfg = parse_config(ONE_SLOT)
+    return Policy(cfg.auth, cfg.tenants, cfg.admission.queue_max_wait_s).resolve("one", None)
+
+
+async def members(server: RedisServer, key: str) -> list[str]:
+    client = aioredis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        return list(await client.zrange(key, 0, -1))
+    finally:
+        await client.aclose()
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def assert_no_room(replica: TenantCounters, tp: TenantPolicy) -> None:
+    with pytest.raises(GatewayError) as err:
+        await replica.acquire_slot(tp, 0.3)
+    assert err.value.status == 503 and err.value.extra["waiting_for"] == "concurrency_slot"
+
+
+async def test_renewal_puts_back_a_slot_whose_lease_lapsed(redis_server: RedisServer) -> None:
+    """A slot whose member left the set (its lease ran out while Redis was slow or away) while its request still
+    runs: the renewal counts it again, so another replica cannot take the tenant past max_concurrent."""
+    a, b = (TenantCounters(rcfg(redis_server, slot_lease_s=1.5), GatewayMetrics()) for _ in range(2))
+    for r in (a, b):
+        await r.start()
+    tp = one_slot()
+    assert a.redis is not None
+    key = a.redis.key("slots", tp.key)
+    slot = await a.acquire_slot(tp, 1.0)
+    assert slot is not None and slot.backend == "redis"
+    client = aioredis.Redis.from_url(redis_server.url)
+    await client.zrem(key, slot.member)  # the lease lapsed
+    await client.aclose()
+    await a.renew_leases()
+    assert await members(redis_server, key) == [slot.member]
+    await assert_no_room(b, tp)
+    a.release_slot(slot)
+    async with held_slot(b, tp, 1.0):  # and a release still frees it
+        pass
+    for r in (a, b):
+        await r.close()
+
+
+async def test_a_slot_held_through_a_redis_restart_is_put_back_when_redis_returns(redis_server: RedisServer) -> None:
+    """Redis restarts empty while a request holds a slot: as soon as Redis answers again (not a renewal period
+    later) the holder puts its slot back, and the other replica finds no room."""
+    a, b = (TenantCounters(rcfg(redis_server), GatewayMetrics()) for _ in range(2))  # renewals every 10 s
+    for r in (a, b):
+        await r.start()
+    tp = one_slot()
+    assert a.redis is not None
+    key = a.redis.key("slots", tp.key)
+    slot = await a.acquire_slot(tp, 1.0)
+    assert slot is not None and slot.backend == "redis"
+    redis_server.kill()
+    for r in (a, b):  # each replica finds Redis gone (else b's first call after the restart would, and fall back)
+        assert r.redis is not None
+        with contextlib.suppress(RedisUnavailable):
+            await r.redis.check("probe", RateLimits(1, None), 0)
+    redis_server.start()  # without --save: empty, the slot is gone
+
+    async def healthy() -> bool:
+        return not a.degraded and b.redis is not None and b.redis.healthy
+
+    async def put_back() -> bool:
+        return await members(redis_server, key) == [slot.member]
+
+    assert await until(healthy, 10.0)
+    assert await until(put_back, 2.0), "the held slot was not put back"
+    await assert_no_room(b, tp)
+    a.release_slot(slot)
+    async with held_slot(b, tp, 1.0):
+        pass
+    for r in (a, b):
+        await r.close()
+
+
+async def test_a_limit_added_or_changed_by_a_reload_behaves_as_in_process(redis_server: RedisServer) -> None:
+    """The Redis buckets follow TokenBucket step by step: a new key and a limit added by a reload start full
+    (not empty, which answered 429s), a changed limit keeps what was used, and a removed one leaves no bucket.
+    Each case has its own key, so each one that differs is reported."""
+    state = RedisState(rcfg(redis_server))
+    await state.start()
+    local = RateLimiter()
+    steps = [
+        ("new key", RateLimits(3, 100), 10),  # starts full
+        ("rpm added", RateLimits(None, 300), 100),  # tokens only...
+        ("rpm added", RateLimits(5, 300), 100),  # ...then a reload adds requests per minute: full, not empty
+        ("rpm raised", RateLimits(2, None), 0),
+        ("rpm raised", RateLimits(2, None), 0),
+        ("rpm raised", RateLimits(2, None), 0),  # 2 of 2 used: refused
+        ("rpm raised", RateLimits(10, None), 0),  # raised: 2 used of 10, 7 left after this one
+        ("rpm lowered", RateLimits(10, None), 0),
+        ("rpm lowered", RateLimits(10, None), 0),
+        ("rpm lowered", RateLimits(3, None), 0),  # 2 used of 3: one left, taken
+        ("rpm lowered", RateLimits(3, None), 0),  # refused
+        ("tpm raised", RateLimits(None, 100), 100),
+        ("tpm raised", RateLimits(None, 400), 250),  # 100 used of 400: 300 left, 50 after this one
+        ("tpm readded", RateLimits(10, 200), 150),
+        ("tpm readded", RateLimits(10, None), 0),  # removed by a reload...
+        ("tpm readded", RateLimits(10, 200), 150),  # ...and added back: full again
+    ]
+    differ = []
+    allowed = []
+    for key, limits, tokens in steps:
+        want = local.check(key, tokens, 0.0, limits)
+        got = await state.check(key, limits, tokens)
+        allowed.append(got.allowed)
+        # Redis's clock runs on while the in-process one is held at 0: at most a fraction of a unit more
+        close = all(
+            (g is None) == (w is None) and (g is None or w is None or w <= g <= w + 1)
+            for g, w in zip(remaining(got), remaining(want), strict=True)
+        )
+        if got.allowed != want.allowed or not close:
+            differ.append((key, limits, tokens, (got.allowed, remaining(got)), (want.allowed, remaining(want))))
+    assert differ == []
+    assert allowed == [True] * 5 + [False] + [True] * 4 + [False] + [True] * 5
+    await state.close()
+
+
+def remaining(d: RateDecision) -> tuple[int | None, int | None]:
+    return (
+        None if d.requests is None else d.requests.remaining,
+        None if d.tokens is None else d.tokens.remaining,
+    )
+
+
+async def test_fail_waiters_ends_waits_for_shared_slots(redis_server: RedisServer) -> None:
+    """Drain with Redis: the requests polling Redis for a slot end at once with the given error."""
+    limits = TenantCounters(rcfg(redis_server), GatewayMetrics())
+    await limits.start()
+    tp = one_slot()
+    async with held_slot(limits, tp, 1.0):
+        waiters = [asyncio.create_task(limits.acquire_slot(tp, 30.0)) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        limits.fail_waiters(shutting_down)
+        async with asyncio.timeout(1.0):
+            results = await asyncio.gather(*waiters, return_exceptions=True)
+        assert [getattr(r, "code", r) for r in results] == ["shutting_down"] * 3
+    assert limits.redis is not None
+    await asyncio.sleep(0.1)  # the release runs in the background
+    assert await members(redis_server, limits.redis.key("slots", tp.key)) == []
     await limits.close()

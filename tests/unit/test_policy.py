@@ -1,4 +1,5 @@
-"""Tenant policy: config, per-model overrides, limit arithmetic, in-process slots, hot reload, the schema."""
+"""Tenant policy: config, per-model overrides, limit arithmetic, in-process slots (bounds, drain, cancellation),
+hot reload (more in test_reload.py), the schema."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from gateway.admission.controller import AdmissionController, Admitted, Queued, 
 from gateway.admission.queue import QueueClass
 from gateway.config import ConfigError, RedisConfig, parse_config
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.errors import GatewayError
+from gateway.protocol.errors import GatewayError, shutting_down
 from gateway.schema import render
 from gateway.tenants.auth import key_digest
 from gateway.tenants.counters import TenantCounters
-from gateway.tenants.policy import Policy
+from gateway.tenants.policy import Policy, TenantPolicy
 from gateway.tenants.ratelimit import RateLimiter, RateLimits, TokenBucket
 from gateway.tenants.reload import ConfigWatcher
-from gateway.tenants.slots import SlotTable
+from gateway.tenants.slots import Slot, SlotTable
 from gateway.tokens.cost import KvGeometry, RequestCost
 from tests.support.tenant_slots import held_slot
 
@@ -194,6 +195,94 @@ async def test_slot_wait_times_out_and_a_cancelled_waiter_leaves_the_line() -> N
     assert limits.slots.held("team-a/big") == 0 and not limits._waiters
     async with held_slot(limits, tp, 0.01):
         pass
+    assert not limits._waiters  # a slot taken at once leaves no empty line behind
+
+
+UNBOUNDED_YAML = """
+tenants:
+  - name: t
+    max_concurrent: 1
+  - name: q
+    max_concurrent: 1
+    max_queued: 3
+"""
+
+
+def tenant_policy(text: str, name: str) -> TenantPolicy:
+    cfg = parse_config(text)
+    return Policy(cfg.auth, cfg.tenants, cfg.admission.queue_max_wait_s).resolve(name, None)
+
+
+async def start_waiters(limits: TenantCounters, tp: TenantPolicy, n: int) -> list[asyncio.Task[Slot | None]]:
+    tasks = [asyncio.create_task(limits.acquire_slot(tp, 10.0)) for _ in range(n)]
+    await asyncio.sleep(0.01)
+    assert not any(t.done() for t in tasks)
+    return tasks
+
+
+async def test_default_max_waiters_bounds_a_tenant_without_max_queued() -> None:
+    """No max_queued: the waiters for a slot are bounded by default_max_waiters (the admission queue's length),
+    counted with the tenant's requests in the admission queue, as max_queued is; a max_queued still wins."""
+    limits = TenantCounters(RedisConfig(), GatewayMetrics(), default_max_waiters=2)
+    tp, own = tenant_policy(UNBOUNDED_YAML, "t"), tenant_policy(UNBOUNDED_YAML, "q")
+    assert tp.qclass.max_queued is None
+    async with held_slot(limits, tp, 1.0), held_slot(limits, own, 1.0):
+        waiting = await start_waiters(limits, tp, 2)
+        with pytest.raises(GatewayError) as err:
+            await limits.acquire_slot(tp, 10.0)
+        assert err.value.status == 429 and err.value.code == "tenant_queue_full"
+        assert err.value.extra["queue_position"] == 3
+        waiting[1].cancel()
+        await asyncio.gather(waiting[1], return_exceptions=True)
+        with pytest.raises(GatewayError) as err:  # 1 waiting here + 1 in the admission queue = the bound
+            await limits.acquire_slot(tp, 10.0, lambda: 1)
+        assert err.value.code == "tenant_queue_full"
+        own_waiting = await start_waiters(limits, own, 3)  # the tenant's own max_queued (3) beats the default
+        with pytest.raises(GatewayError):
+            await limits.acquire_slot(own, 10.0)
+        for task in [waiting[0], *own_waiting]:
+            task.cancel()
+        await asyncio.gather(waiting[0], *own_waiting, return_exceptions=True)
+    assert limits.slots.total() == 0 and not limits._waiters
+
+
+async def test_fail_waiters_ends_every_slot_wait_and_every_later_one() -> None:
+    """Drain: the requests waiting for a slot get the given error at once (not at their deadline), and so do
+    later ones that would wait; one that finds a slot free still gets it."""
+    limits = TenantCounters(RedisConfig(), GatewayMetrics())
+    tp = tenant_policy(UNBOUNDED_YAML, "t")
+    held = await limits.acquire_slot(tp, 1.0)
+    assert held is not None
+    waiting = await start_waiters(limits, tp, 3)
+    limits.fail_waiters(shutting_down)
+    async with asyncio.timeout(1.0):
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+    assert all(isinstance(r, GatewayError) and (r.status, r.code) == (503, "shutting_down") for r in results)
+    assert all(isinstance(r, GatewayError) and r.retry_after_s is not None for r in results)
+    assert not limits._waiters and limits.slots.held("t") == 1
+    with pytest.raises(GatewayError) as err:
+        async with asyncio.timeout(1.0):
+            await limits.acquire_slot(tp, 10.0)
+    assert err.value.code == "shutting_down"
+    limits.release_slot(held)
+    async with held_slot(limits, tp, 10.0):  # a free slot is still given
+        assert limits.slots.held("t") == 1
+    assert limits.slots.total() == 0 and not limits._waiters
+
+
+async def test_a_waiter_cancelled_as_it_is_woken_takes_no_slot() -> None:
+    """The client leaves in the same instant a slot frees up: its request must end, not take the slot and go
+    on (asyncio.wait_for on 3.11 swallows such a cancellation and returns as if woken)."""
+    limits = TenantCounters(RedisConfig(), GatewayMetrics())
+    tp = tenant_policy(UNBOUNDED_YAML, "t")
+    held = await limits.acquire_slot(tp, 1.0)
+    assert held is not None
+    (waiter,) = await start_waiters(limits, tp, 1)
+    limits.release_slot(held)  # wakes the waiter...
+    waiter.cancel()  # ...and its client is gone
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert limits.slots.held("t") == 0 and not limits._waiters
 
 
 async def test_watcher_applies_a_configmap_symlink_swap_and_rejects_an_invalid_file(tmp_path: Path) -> None:
@@ -214,13 +303,16 @@ async def test_watcher_applies_a_configmap_symlink_swap_and_rejects_an_invalid_f
     )
     assert await watcher.check() is None and applied == []
     version("..v2", "tenants:\n  - name: a\n    requests_per_minute: 7\n")
+    assert await watcher.check() is None  # seen; read once the next poll finds it unchanged
     assert await watcher.check() is True and applied == [7]
     version("..v3", "tenants:\n  - name: a\n    requests_per_minute: -1\n")
+    assert await watcher.check() is None
     assert await watcher.check() is False and applied == [7]
     assert await watcher.check() is None  # the same bad file is not re-reported
     (tmp_path / "..data").unlink()
     assert await watcher.check() is None  # missing mid-swap: keep going
     version("..v4", "tenants:\n  - name: a\n    requests_per_minute: 9\n")
+    assert await watcher.check() is None
     assert await watcher.check() is True and applied == [7, 9]
     text = metrics.render().decode()
     assert 'kvgate_policy_reloads_total{result="applied"} 2.0' in text

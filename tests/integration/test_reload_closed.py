@@ -1,0 +1,62 @@
+"""Hot reload fails closed in a real gateway process: an emptied config file keeps the running policy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.support.procs import Proc, start_gateway
+from tests.support.promtext import scrape
+from tests.support.tenant_http import Reply, completion, post
+
+pytestmark = pytest.mark.e2e
+
+
+def statuses(url: str, keys: list[str | None]) -> list[int]:
+    async def go() -> list[Reply]:
+        return [await post(url, completion(40, 1), key) for key in keys]
+
+    return [r.status for r in asyncio.run(go())]
+
+
+def settle(seconds: float = 0.5) -> None:
+    time.sleep(seconds)  # ten polls of 0.05 s: a change is read after two
+
+
+def test_an_emptied_config_keeps_the_policy(mini_vllm: Callable[..., str], procs: list[Proc], tmp_path: Path) -> None:
+    config = {
+        "tokenizer": "heuristic",
+        "reload": {"interval_s": 0.05},
+        "auth": {"require_api_key": True},
+        "tenants": [{"name": "t", "api_keys": ["kt"]}],
+    }
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    procs.append(start_gateway(mini_vllm(), path))
+    gw = procs[-1]
+    assert statuses(gw.url, [None, "kt"]) == [401, 200]
+
+    path.write_text("")  # truncated, as by a writer that has not written yet (or a broken ConfigMap)
+    settle()
+    path.write_text("# kvgate\n")
+    settle()
+    assert statuses(gw.url, [None, "kt"]) == [401, 200]  # still the old policy: keys required, tenant known
+    m = scrape(gw.url)
+    assert m.get("kvgate_policy_reloads_total{result=applied}", 0) == 0
+    assert m["kvgate_policy_reloads_total{result=rejected}"] == 2
+    assert httpx.get(gw.url + "/readyz").json()["policy_version"] == 1
+    assert "has no settings" in gw.log()
+
+    config["tenants"] = [{"name": "t", "api_keys": ["kt2"]}]
+    (tmp_path / "next.yaml").write_text(yaml.safe_dump(config))
+    os.replace(tmp_path / "next.yaml", path)  # a valid one is still applied
+    settle()
+    assert statuses(gw.url, [None, "kt", "kt2"]) == [401, 401, 200]
+    assert scrape(gw.url)["kvgate_policy_reloads_total{result=applied}"] == 1

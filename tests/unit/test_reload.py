@@ -1,0 +1,104 @@
+"""Hot reload fails closed: a file with no settings, or one a writer has not finished, never replaces the policy."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.tenants.reload import ConfigWatcher, has_no_settings
+
+STRICT = """\
+auth:
+  require_api_key: true
+tenants:
+  - name: a
+    api_keys: [ka]
+    requests_per_minute: 5
+  - name: b
+    api_keys: [kb]
+    max_concurrent: 2
+  - name: c
+    api_keys: [kc]
+"""
+
+
+def reloads(metrics: GatewayMetrics) -> dict[str, float]:
+    text = metrics.render().decode()
+    out = {}
+    for result in ("applied", "rejected"):
+        line = next(
+            (x for x in text.splitlines() if x.startswith(f'kvgate_policy_reloads_total{{result="{result}"}}')), None
+        )
+        out[result] = float(line.split()[-1]) if line else 0.0
+    return out
+
+
+def watch(path: Path, metrics: GatewayMetrics) -> tuple[ConfigWatcher, list[GatewayConfig]]:
+    applied: list[GatewayConfig] = []
+    return ConfigWatcher(str(path), 1.0, applied.append, metrics), applied
+
+
+@pytest.mark.parametrize("text", ["", "\n   \n\t\n", "# kvgate config\n# (rendered by helm)\n", "---\n", "null\n"])
+async def test_a_file_with_no_settings_is_rejected_and_the_policy_kept(
+    tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Empty, blank or comment-only: what a truncated file or a broken ConfigMap looks like. Applying it would
+    turn require_api_key off and drop every tenant; it is rejected and counted, and an explicit {} is not."""
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(STRICT)
+    metrics = GatewayMetrics()
+    watcher, applied = watch(path, metrics)
+    path.write_text(text)
+    with caplog.at_level(logging.ERROR, logger="kvgate.reload"):
+        assert await watcher.check() is None  # seen, not yet settled
+        assert await watcher.check() is False
+        assert await watcher.check() is None  # not re-reported
+    assert applied == [] and reloads(metrics) == {"applied": 0.0, "rejected": 1.0}
+    assert "has no settings" in caplog.text and "keeping the current policy" in caplog.text
+    path.write_text("{}\n")  # all defaults, said explicitly
+    assert await watcher.check() is None
+    assert await watcher.check() is True and len(applied) == 1 and not applied[0].auth.require_api_key
+
+
+def test_has_no_settings() -> None:
+    assert has_no_settings("") and has_no_settings("  # x\n\n# y") and has_no_settings("--- # doc\n")
+    assert not has_no_settings("{}") and not has_no_settings("tenants: []") and not has_no_settings("a: [")
+
+
+async def test_a_file_being_written_is_read_only_once_it_has_settled(tmp_path: Path) -> None:
+    """A writer that truncates the file and writes it in pieces: each poll sees a new signature, so nothing is
+    read until two polls in a row see the same one, and then it is the whole file that is applied."""
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(STRICT)
+    metrics = GatewayMetrics()
+    watcher, applied = watch(path, metrics)
+    new = STRICT.replace("requests_per_minute: 5", "requests_per_minute: 50")
+    cut = new.index("  - name: b")  # the first piece alone is a valid config: tenant a only
+    with path.open("w") as f:  # truncates
+        assert await watcher.check() is None  # empty for now
+        f.write(new[:cut])
+        f.flush()
+        assert await watcher.check() is None  # half of it, valid YAML: not to be taken as the new policy
+        f.write(new[cut:])
+        f.flush()
+        assert await watcher.check() is None  # complete, but not yet seen twice
+    assert applied == []
+    assert await watcher.check() is True
+    assert [t.name for t in applied[0].tenants] == ["a", "b", "c"] and applied[0].auth.require_api_key
+    assert applied[0].tenants[0].requests_per_minute == 50
+    assert reloads(metrics) == {"applied": 1.0, "rejected": 0.0}
+
+
+async def test_a_schema_invalid_file_is_still_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(STRICT)
+    metrics = GatewayMetrics()
+    watcher, applied = watch(path, metrics)
+    path.write_text(STRICT.replace("max_concurrent: 2", "max_concurrent: 0"))
+    assert await watcher.check() is None
+    assert await watcher.check() is False and applied == []
+    assert reloads(metrics) == {"applied": 0.0, "rejected": 1.0}
