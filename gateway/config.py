@@ -304,10 +304,27 @@ class ConfigError(Exception):
 
 
 def load_config(path: str | Path | None) -> GatewayConfig:
+    """The config in ``path`` (no path: every default). A file with no settings at all is an error, not "every
+    default": the defaults are the most open policy, and an empty file almost always means a ConfigMap that
+    failed to render. ``{}`` says "every default" on purpose."""
     if path is None:
         return GatewayConfig()
     text = Path(path).read_text(encoding="utf-8")
+    if has_no_settings(text):
+        raise ConfigError([f"{path}:1:1: the file has no settings (write {{}} to mean every default)"])
     return parse_config(text, str(path))
+
+
+def has_no_settings(text: str) -> bool:
+    """True for a document with nothing in it (empty, whitespace, comments, a bare ``---`` or ``null``).
+
+    A YAML syntax error is not "empty": :func:`parse_config` reports it with its location."""
+    if not text.strip():
+        return True  # even with tabs, which YAML would call a syntax error
+    try:
+        return yaml.safe_load(text) is None
+    except yaml.YAMLError:
+        return False
 
 
 def parse_config(text: str, filename: str = "<config>") -> GatewayConfig:

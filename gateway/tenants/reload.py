@@ -23,9 +23,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
-from gateway.config import ConfigError, GatewayConfig, parse_config
+from gateway.config import ConfigError, GatewayConfig, has_no_settings, parse_config
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.reload")
@@ -44,18 +42,6 @@ def file_signature(path: str) -> Signature | None:
     except OSError:
         return None
     return (real, st.st_ino, st.st_mtime_ns, st.st_size)
-
-
-def has_no_settings(text: str) -> bool:
-    """True for a document with nothing in it (empty, whitespace, comments, a bare ``---`` or ``null``).
-
-    A YAML syntax error is not "empty": :func:`parse_config` reports it with its location."""
-    if not text.strip():
-        return True  # even with tabs, which YAML would call a syntax error
-    try:
-        return yaml.safe_load(text) is None
-    except yaml.YAMLError:
-        return False
 
 
 class ConfigWatcher:

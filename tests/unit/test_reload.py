@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, has_no_settings
 from gateway.metrics import GatewayMetrics
-from gateway.tenants.reload import ConfigWatcher, has_no_settings
+from gateway.tenants.reload import ConfigWatcher
 
 STRICT = """\
 auth:
@@ -102,3 +102,18 @@ async def test_a_schema_invalid_file_is_still_rejected(tmp_path: Path) -> None:
     assert await watcher.check() is None
     assert await watcher.check() is False and applied == []
     assert reloads(metrics) == {"applied": 0.0, "rejected": 1.0}
+
+
+def test_startup_refuses_a_file_with_no_settings(tmp_path: Path) -> None:
+    """``kvgate serve --config`` / ``kvgate validate`` on an empty file: an error with its location, not the
+    all-open defaults; ``{}`` still means every default."""
+    from gateway.config import ConfigError, load_config, validate_file
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# rendered from nothing\n")
+    with pytest.raises(ConfigError, match="no settings"):
+        load_config(empty)
+    assert validate_file(str(empty)) == 1
+    braces = tmp_path / "defaults.yaml"
+    braces.write_text("{}\n")
+    assert load_config(braces).auth.require_api_key is False
