@@ -346,7 +346,7 @@ def natural_bursts(engine: VllmEngine) -> dict[str, list[burst.BurstResult]]:
         "admission": {
             "high_watermark": HIGH_WATERMARK,
             "low_watermark": 0.80,
-            "output_estimate": {"enabled": True, "min_samples": 16, "prior_tokens": 512},
+            "output_estimate": {"enabled": True, "quantile": 0.7, "min_samples": 16, "prior_tokens": 512},
         },
         "telemetry": {"scrape_interval_s": 0.25},
     }

@@ -133,6 +133,8 @@ def test_other_generation_routes_go_through_admission(
     assert scrape(gw)["kvgate_requests_admitted_total"] == len(bodies)
     assert raw_request(gw, "POST", "/v1/embeddings", rid="bad", body=b'{"input":""}') == 400
     assert reached(upstream, "bad") == []
+    # a 400 without an error code is counted too, under its status
+    assert scrape(gw)["kvgate_requests_rejected_total{reason=http_400}"] == 1
 
 
 # --- the property: whatever the target, only allowed canonical paths reach the engine ------------------
