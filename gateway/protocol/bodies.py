@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 
 from gateway.protocol.errors import bad_request
-from gateway.protocol.requests import InferenceRequest, Prompt, parse_request
+from gateway.protocol.requests import InferenceRequest, Prompt, json_object, optional_field, parse_request
 from gateway.protocol.routes import BodyKind
 
 
@@ -31,7 +31,7 @@ def parse_body(kind: BodyKind, raw: bytes) -> InferenceRequest:
         return parse_request(kind, raw)
     if kind == "audio":
         return InferenceRequest("completions", None, 1, None, None, [[]], None)
-    body = _object(raw)
+    body = json_object(raw)
     if kind == "invocations":
         if "messages" in body:
             return parse_request("chat", raw)
@@ -49,20 +49,8 @@ def parse_body(kind: BodyKind, raw: bytes) -> InferenceRequest:
     return _score(body)
 
 
-def _object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.")
-    return body
-
-
 def _model(body: dict[str, Any]) -> str | None:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("'model' must be of type str.", param="model")
+    model: str | None = optional_field(body, "model", str)
     return model
 
 

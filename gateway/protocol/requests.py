@@ -35,19 +35,24 @@ class InferenceRequest:
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
-def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
+def json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 that says why not."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.")
+    return body
 
-    model = _optional(body, "model", str)
-    _optional(body, "stream", bool)
-    stream_options = _optional(body, "stream_options", dict) or {}
+
+def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
+    body = json_object(raw)
+    model = optional_field(body, "model", str)
+    optional_field(body, "stream", bool)
+    stream_options = optional_field(body, "stream_options", dict) or {}
     for key in ("include_usage", "continuous_usage_stats"):
-        _optional(stream_options, key, bool, f"stream_options.{key}")
+        optional_field(stream_options, key, bool, f"stream_options.{key}")
     n = _positive_int(body, "n") or 1
     best_of = _positive_int(body, "best_of")
     if best_of is not None and best_of < n:
@@ -57,13 +62,13 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         max_tokens = _positive_int(body, "max_completion_tokens") or max_tokens
     elif max_tokens is None:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    min_tokens = _optional(body, "min_tokens", int) or 0
+    min_tokens = optional_field(body, "min_tokens", int) or 0
     if min_tokens < 0:
         raise bad_request(f"'min_tokens' must be at least 0, got {min_tokens}.", param="min_tokens")
 
     messages: list[dict[str, Any]] | None = None
     prompts: list[Prompt] = []
-    tools = _optional(body, "tools", list)
+    tools = optional_field(body, "tools", list)
     if endpoint == "chat":
         messages = _messages(body)
         if tools is not None:
@@ -82,7 +87,8 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     )
 
 
-def _optional(body: dict[str, Any], key: str, kind: type, param: str | None = None) -> Any:
+def optional_field(body: dict[str, Any], key: str, kind: type, param: str | None = None) -> Any:
+    """``body[key]`` if present, which must then be of ``kind`` (a bool is not an int here); else None."""
     value = body.get(key)
     if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
         raise bad_request(f"'{param or key}' must be of type {kind.__name__}.", param=param or key)
@@ -90,7 +96,7 @@ def _optional(body: dict[str, Any], key: str, kind: type, param: str | None = No
 
 
 def _positive_int(body: dict[str, Any], key: str) -> int | None:
-    value = _optional(body, key, int)
+    value = optional_field(body, key, int)
     if value is not None and value < 1:
         raise bad_request(f"'{key}' must be at least 1, got {value}.", param=key)
     return value  # type: ignore[no-any-return]
