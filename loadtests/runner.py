@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.sim.api import SIM_OUTPUT_FIELD
 from loadtests.scenario import Arrival
 from loadtests.stats import RequestRecord, Sample
 from tests.support.sampler import Sampler
@@ -35,14 +36,20 @@ WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", 
 
 
 def request_body(a: Arrival, model: str, rid: int) -> dict[str, Any]:
-    """Completions carry token ids (exact counts for engine and gateway); chat carries ~4 chars per token."""
-    common = {
-        "model": model,
-        "max_tokens": a.max_tokens,
-        "stream": True,
-        "ignore_eos": True,
-        "stream_options": {"include_usage": True},
-    }
+    """Completions carry token ids (exact counts for engine and gateway); chat carries ~4 chars per token.
+
+    A natural length travels as the simulator-only ``sim_output_tokens`` (the plan's draw, so a scenario's
+    lengths are reproducible); without one the request sends ``ignore_eos`` and runs to its cap.
+    """
+    common: dict[str, Any] = {"model": model}
+    if a.sent_max_tokens is not None:
+        common["max_tokens"] = a.sent_max_tokens
+    common["stream"] = True
+    if a.output_tokens is None:
+        common["ignore_eos"] = True
+    else:
+        common[SIM_OUTPUT_FIELD] = a.output_tokens
+    common["stream_options"] = {"include_usage": True}
     if a.api == "chat":
         words = [WORDS[(rid + i) % len(WORDS)] for i in range(a.prompt_tokens)]
         return {**common, "messages": [{"role": "user", "content": " ".join(words)[: a.prompt_tokens * 4]}]}

@@ -2,6 +2,11 @@
 
 All times in a scenario are *simulated* seconds; the runner divides by nothing and multiplies by the
 simulator's ``time_scale`` to get real seconds, so a scenario means the same thing at any speed.
+
+A class says separately what the client sends and what the model does: ``max_tokens`` is the cap in the body
+(absent: the client sends none, and the cap is the context's rest), ``output_tokens`` the distribution of
+natural lengths (where the model emits EOS; ``gateway.sim.lengths`` syntax). Without ``output_tokens`` the
+client sends ``ignore_eos`` and every request runs to its cap, as before.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from typing import Any
 
 import yaml
 
+from gateway.sim.cli import build_parser, config_from_args
+from gateway.sim.lengths import OutputLengths, parse_lengths
+
 
 @dataclass(frozen=True)
 class Range:
@@ -23,8 +31,12 @@ class Range:
 
     @classmethod
     def parse(cls, raw: Any) -> Range:
+        """``N``, ``{min: A, max: B}``, or the string ``"A-B"``."""
         if isinstance(raw, int):
             return cls(raw, raw)
+        if isinstance(raw, str):
+            lo, sep, hi = raw.partition("-")
+            return cls(int(lo), int(hi if sep else lo))
         return cls(int(raw["min"]), int(raw["max"]))
 
     def draw(self, rng: random.Random) -> int:
@@ -37,7 +49,7 @@ class TrafficClass:
 
     name: str
     prompt_tokens: Range
-    max_tokens: Range
+    max_tokens: Range | None  # None: the client sends no max_tokens
     api: str = "completions"  # or "chat"
     tenant: str | None = None
     burst_count: int = 0
@@ -45,11 +57,17 @@ class TrafficClass:
     rate: float = 0.0  # requests per simulated second (Poisson)
     start: float = 0.0
     stop: float = 0.0
+    output_tokens: OutputLengths | None = None  # natural lengths; None: ignore_eos, run to the cap
 
 
 @dataclass(frozen=True)
 class Arrival:
-    """One planned request."""
+    """One planned request.
+
+    ``max_tokens`` is the output the response should carry: the cap, or the natural length when the model
+    stops first. That is what a served response is checked against (``RequestRecord``) and what the
+    in-process bound runs the engine to; what the body says is ``sent_max_tokens``.
+    """
 
     at: float  # simulated seconds from the start of the run
     cls: str
@@ -57,6 +75,15 @@ class Arrival:
     max_tokens: int
     api: str
     tenant: str | None
+    output_tokens: int | None = None  # natural length, sent as sim_output_tokens; None: ignore_eos
+    cap: int | None = None  # the body's max_tokens; None: ``max_tokens`` itself (or none when ``uncapped``)
+    uncapped: bool = False  # the body has no max_tokens
+
+    @property
+    def sent_max_tokens(self) -> int | None:
+        if self.uncapped:
+            return None
+        return self.cap if self.cap is not None else self.max_tokens
 
 
 @dataclass(frozen=True)
@@ -83,10 +110,16 @@ class Scenario:
     seed: int = 0
     sweep_concurrency: tuple[int, ...] = ()
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    max_model_len: int | None = None  # the simulator's, when a class sends no max_tokens
 
     def arrivals(self) -> list[Arrival]:
-        """The deterministic request plan (seeded), sorted by time."""
+        """The deterministic request plan (seeded), sorted by time.
+
+        Natural lengths come from their own generator, so adding ``output_tokens`` to a class leaves every
+        arrival time and prompt of the plan as it was.
+        """
         rng = random.Random(self.seed)
+        natural_rng = random.Random(f"{self.seed}/output_tokens")
         out: list[Arrival] = []
         for c in self.classes:
             times: list[float] = [c.burst_at] * c.burst_count
@@ -98,9 +131,21 @@ class Scenario:
                         break
                     times.append(t)
             for t in times:
-                out.append(Arrival(t, c.name, c.prompt_tokens.draw(rng), c.max_tokens.draw(rng), c.api, c.tenant))
+                prompt = c.prompt_tokens.draw(rng)
+                cap = c.max_tokens.draw(rng) if c.max_tokens is not None else None
+                natural = c.output_tokens.draw(natural_rng) if c.output_tokens is not None else None
+                out.append(self._arrival(t, c, prompt, cap, natural))
         out.sort(key=lambda a: a.at)
         return out
+
+    def _arrival(self, t: float, c: TrafficClass, prompt: int, cap: int | None, natural: int | None) -> Arrival:
+        limit = cap
+        if limit is None:
+            if self.max_model_len is None:
+                raise ValueError(f"class {c.name} sends no max_tokens but the scenario has no max_model_len")
+            limit = self.max_model_len - prompt
+        owed = limit if natural is None else min(natural, limit)
+        return Arrival(t, c.name, prompt, owed, c.api, c.tenant, natural, cap, uncapped=cap is None)
 
 
 def load(path: str | Path) -> Scenario:
@@ -108,11 +153,13 @@ def load(path: str | Path) -> Scenario:
     classes = []
     for c in raw["classes"]:
         arrival = c.get("arrival", {})
+        output_tokens = c.get("output_tokens")
         classes.append(
             TrafficClass(
                 name=c["name"],
                 prompt_tokens=Range.parse(c["prompt_tokens"]),
-                max_tokens=Range.parse(c["max_tokens"]),
+                max_tokens=None if c.get("max_tokens") is None else Range.parse(c["max_tokens"]),
+                output_tokens=None if output_tokens is None else parse_lengths(output_tokens),
                 api=c.get("api", "completions"),
                 tenant=c.get("tenant"),
                 burst_count=int(arrival.get("count", 0)) if arrival.get("kind") == "burst" else 0,
@@ -123,12 +170,16 @@ def load(path: str | Path) -> Scenario:
             )
         )
     sim = raw.get("sim", {})
+    sim_args = tuple(str(a) for a in sim.get("args", []))
     sweep = raw.get("sweep", {})
+    max_model_len = None
+    if any(c.max_tokens is None for c in classes):
+        max_model_len = config_from_args(build_parser().parse_args(list(sim_args))).max_model_len
     return Scenario(
         name=raw["name"],
         description=raw.get("description", ""),
         classes=tuple(classes),
-        sim_args=tuple(str(a) for a in sim.get("args", [])),
+        sim_args=sim_args,
         time_scale=float(sim.get("time_scale", 1.0)),
         ttft_slo_s=float(raw.get("ttft_slo_s", 10.0)),
         gateway=raw.get("gateway", {}),
@@ -142,4 +193,5 @@ def load(path: str | Path) -> Scenario:
             blocks=int(sweep.get("blocks", 4)),
             repeats=int(sweep.get("repeats", 1)),
         ),
+        max_model_len=max_model_len,
     )

@@ -17,6 +17,9 @@ _WORDS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", 
 
 BUSY_MESSAGE = "The engine is currently busy and cannot accept new requests. Please retry later."
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+# Simulator-only body field: the request's natural output length (the token that is EOS). vLLM ignores unknown
+# fields, so a load generator can send it to any backend; only the simulator acts on it.
+SIM_OUTPUT_FIELD = "sim_output_tokens"
 
 
 class ApiError(Exception):
@@ -54,6 +57,9 @@ class Plan:
     stream: bool
     include_usage: bool
     model: str
+    output_tokens: int | None = None  # the body's natural length; None: the server's distribution decides
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 def token_text(index: int) -> str:
@@ -104,10 +110,42 @@ def plan_request(
                 "completion). Please reduce the length of the messages or completion.",
                 "BadRequestError",
             )
+    min_tokens = _int_field(body, "min_tokens", minimum=0) or 0
+    if min_tokens > max_tokens:
+        raise ApiError(
+            400,
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+            "BadRequestError",
+            "min_tokens",
+        )
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise ApiError(400, "ignore_eos must be a boolean", "BadRequestError", "ignore_eos")
+    natural = _int_field(body, SIM_OUTPUT_FIELD, minimum=1)
     stream = bool(body.get("stream", False))
     options = body.get("stream_options") or {}
     include_usage = bool(stream and isinstance(options, Mapping) and options.get("include_usage"))
-    return Plan(kind, prompt_len, max_tokens, stream, include_usage, served_model)
+    return Plan(
+        kind,
+        prompt_len,
+        max_tokens,
+        stream,
+        include_usage,
+        served_model,
+        output_tokens=natural,
+        min_tokens=min_tokens,
+        ignore_eos=bool(ignore_eos),
+    )
+
+
+def _int_field(body: Mapping[str, Any], name: str, *, minimum: int) -> int | None:
+    """An optional integer field (JSON null is absent); anything else, or below ``minimum``, is a 400."""
+    raw = body.get(name)
+    if raw is None:
+        return None
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < minimum:
+        raise ApiError(400, f"{name} must be an integer >= {minimum}", "BadRequestError", name)
+    return raw
 
 
 def _count_prompt(prompt: Any, count_text: Callable[[str], int]) -> int:
@@ -142,8 +180,8 @@ class Renderer:
         }
 
     def chunk(self, index: int, finish_reason: str | None) -> bytes:
-        """One SSE event carrying output token ``index``."""
-        text = token_text(index)
+        """One SSE event carrying output token ``index``; an EOS (``stop``) token has no text, as in vLLM."""
+        text = "" if finish_reason == "stop" else token_text(index)
         if self.plan.kind == "chat":
             delta: dict[str, Any] = {"content": text}
             if index == 1:
@@ -183,7 +221,8 @@ class Renderer:
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
     def full(self, completion_tokens: int, finish_reason: str) -> bytes:
-        text = "".join(token_text(i) for i in range(1, completion_tokens + 1))
+        words = completion_tokens - 1 if finish_reason == "stop" else completion_tokens  # EOS is counted, not shown
+        text = "".join(token_text(i) for i in range(1, words + 1))
         if self.plan.kind == "chat":
             choice: dict[str, Any] = {
                 "index": 0,

@@ -12,6 +12,7 @@ import signal
 from aiohttp import web
 
 from gateway.sim.config import PRESETS, SimConfig, preset
+from gateway.sim.lengths import OutputLengths, parse_lengths
 from gateway.sim.server import SimServer
 from gateway.tokens.tokenizers import load_tokenizer
 
@@ -59,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also export the pre-V1 vllm:gpu_cache_usage_perc gauge",
     )
+    p.add_argument(
+        "--output-tokens",
+        type=_lengths,
+        metavar="SPEC",
+        help="natural output length of requests without sim_output_tokens: N | fixed:N | A-B | uniform:A-B | "
+        "lognormal:median=M,p99=P (default: none, every request runs to max_tokens)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the --output-tokens draws (vLLM's flag)")
     p.add_argument("--tokenizer", default="heuristic", help="hf:PATH | tiktoken:NAME_OR_FILE | heuristic[:N]")
     p.add_argument("--log-level", default="info")
     return p
@@ -76,8 +85,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_queued_reqs": args.max_num_queued_reqs,
+        "output_tokens": args.output_tokens,
     }
-    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None}, seed=args.seed)
     if args.no_oom:
         cfg = dataclasses.replace(
             cfg,
@@ -85,6 +95,13 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
             hardware=dataclasses.replace(cfg.hardware, hbm_bytes_per_gpu=float("inf")),
         )
     return cfg
+
+
+def _lengths(spec: str) -> OutputLengths:
+    try:
+        return parse_lengths(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 async def serve(server: SimServer, host: str, port: int) -> int:
@@ -99,7 +116,7 @@ async def serve(server: SimServer, host: str, port: int) -> int:
     cfg = server.cfg
     log.info(
         "kvgate sim serving %s on http://%s:%d: %d blocks x %d tokens, max_model_len %d, max_num_seqs %d, "
-        "max_num_batched_tokens %d, time scale %g, oom mode %s",
+        "max_num_batched_tokens %d, time scale %g, oom mode %s, natural output lengths %s (seed %d)",
         cfg.served_model_name,
         host,
         port,
@@ -110,6 +127,8 @@ async def serve(server: SimServer, host: str, port: int) -> int:
         cfg.max_num_batched_tokens,
         server.time_scale,
         server.oom_mode,
+        cfg.output_tokens or "from sim_output_tokens only",
+        cfg.seed,
     )
     engine_task = asyncio.create_task(server.run_engine())
     try:

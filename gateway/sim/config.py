@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from gateway.sim.lengths import OutputLengths
+
 GIB = 1024**3
 
 
@@ -68,6 +70,10 @@ class SimConfig:
     runtime_overhead_bytes_per_gpu: float = 1.5 * GIB  # CUDA context, graphs, NCCL buffers
     activation_bytes_per_prefill_token: float = 512 * 1024
     max_num_queued_reqs: int | None = None
+    # Natural output lengths for requests that do not carry their own (``sim_output_tokens``); None: they
+    # generate to max_tokens. Drawn from a generator seeded with ``seed`` (vLLM's --seed).
+    output_tokens: OutputLengths | None = None
+    seed: int = 0
 
     @property
     def block_bytes(self) -> int:

@@ -6,6 +6,8 @@ a block and none is free, the lowest-priority running request (the last one, FCF
 its blocks are freed and it goes back to the front of the waiting queue. Waiting requests are admitted only
 in steps without preemption, while blocks, token budget and ``max_num_seqs`` allow. The KV of the token
 sampled in a step is written in the next step, so a sequence holds ``ceil(computed / block_size)`` blocks.
+A request finishes as ``vllm/v1/core/sched/utils.py`` ``check_stop`` decides: EOS ("stop") at its natural
+length if it has one, else (or first) at ``max_tokens`` or ``max_model_len`` ("length").
 
 Pure and synchronous: time is passed in, nothing here sleeps or does I/O.
 """
@@ -29,12 +31,20 @@ class Status(enum.Enum):
 
 @dataclass
 class SimRequest:
-    """One sequence's progress. ``max_tokens`` is already capped at ``max_model_len - prompt_len``."""
+    """One sequence's progress. ``max_tokens`` is already capped at ``max_model_len - prompt_len``.
+
+    ``output_tokens`` is the natural length: the model samples EOS as that output token (counted, as vLLM
+    counts it). It belongs to the request, not to an attempt, so a request recomputed after preemption
+    stops at the same place. ``None`` models a request that never samples EOS.
+    """
 
     request_id: str
     prompt_len: int
     max_tokens: int
     arrival: float
+    output_tokens: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
     num_computed: int = 0
     num_output: int = 0
     blocks: int = 0
@@ -48,6 +58,18 @@ class SimRequest:
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + self.num_output
+
+    @property
+    def stop_at(self) -> int | None:
+        """The output token that is EOS, or None if none will be.
+
+        ``ignore_eos`` drops the natural stop. ``min_tokens`` masks EOS while fewer than ``min_tokens`` tokens
+        have been produced (vLLM's ``MinTokensLogitsProcessor``), so a model that wanted to stop earlier
+        stops at the first token it may: ``min_tokens + 1``.
+        """
+        if self.ignore_eos or self.output_tokens is None:
+            return None
+        return max(self.output_tokens, self.min_tokens + 1)
 
 
 @dataclass(frozen=True)
@@ -101,6 +123,8 @@ class Engine:
             raise ValueError("request does not fit max_model_len; validate before adding")
         if req.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if req.output_tokens is not None and req.output_tokens < 1:
+            raise ValueError("output_tokens must be >= 1")
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -185,10 +209,10 @@ class Engine:
             if req.first_token is None:
                 req.first_token = now
                 self.stats.prompt_tokens += req.prompt_len
-            done = req.num_output >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len
-            if done:
-                self._finish(req, "length", now)
-            events.append(TokenEvent(req, req.num_output, done))
+            reason = self._check_stop(req)
+            if reason is not None:
+                self._finish(req, reason, now)
+            events.append(TokenEvent(req, req.num_output, reason is not None))
         return events
 
     def fail_all(self, now: float) -> list[SimRequest]:
@@ -206,6 +230,14 @@ class Engine:
         return failed
 
     # -- internals -------------------------------------------------------------------------------------
+    def _check_stop(self, req: SimRequest) -> str | None:
+        """vLLM's order: EOS first, so a natural stop on the very last allowed token is still "stop"."""
+        if req.num_output == req.stop_at:
+            return "stop"
+        if req.num_output >= req.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return "length"
+        return None
+
     def _plan(self, scheduled: dict[str, int], preempted: tuple[str, ...]) -> Step:
         prefill = context = pairs = 0
         for request_id, num_new in scheduled.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class Channel:
 
     produced: int = 0
     finished: bool = False
+    finish_reason: str = "length"
     error: ApiError | None = None
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -115,6 +117,8 @@ class SimServer:
         self.wake = asyncio.Event()
         self.channels: dict[str, Channel] = {}
         self._ids = itertools.count()
+        # Outlives engine restarts, so a restarted engine does not replay the same lengths.
+        self._lengths = random.Random(cfg.seed)
         self._anchor_virtual = 0.0
         self._anchor_real = time.monotonic()
         self._step_end: float | None = None  # virtual end of the step in flight: the clock never passes it
@@ -171,6 +175,8 @@ class SimServer:
             if ch is not None:
                 ch.produced = ev.index
                 ch.finished = ev.finished
+                if ev.finished and ev.request.finish_reason is not None:
+                    ch.finish_reason = ev.request.finish_reason
                 ch.wake.set()
 
     async def _oom(self, step: Step) -> None:
@@ -311,7 +317,17 @@ class SimServer:
         request_id = f"{prefix}-sim{next(self._ids):08x}"
         ch = Channel()
         self.channels[request_id] = ch
-        self.engine.add(SimRequest(request_id, plan.prompt_len, plan.max_tokens, self.now()))
+        self.engine.add(
+            SimRequest(
+                request_id,
+                plan.prompt_len,
+                plan.max_tokens,
+                self.now(),
+                output_tokens=self._natural_length(plan),
+                min_tokens=plan.min_tokens,
+                ignore_eos=plan.ignore_eos,
+            )
+        )
         self.wake.set()
         renderer = Renderer(plan, request_id)
         try:
@@ -322,11 +338,23 @@ class SimServer:
                 await ch.wake.wait()
             if ch.error is not None:
                 return _error(ch.error)
-            return web.Response(body=renderer.full(ch.produced, "length"), content_type="application/json")
+            return web.Response(body=renderer.full(ch.produced, ch.finish_reason), content_type="application/json")
         finally:
             self.channels.pop(request_id, None)
             if not ch.finished and ch.error is None:
                 self.engine.abort(request_id, self.now())
+
+    def _natural_length(self, plan: Plan) -> int | None:
+        """The body's ``sim_output_tokens``, else a draw from ``--output-tokens``, else none (runs to the cap).
+
+        Drawn once at admission: the length belongs to the request and survives preemption. Draws are in
+        arrival order, so only the body field makes one request's length independent of concurrency.
+        """
+        if plan.output_tokens is not None:
+            return plan.output_tokens
+        if self.cfg.output_tokens is not None:
+            return self.cfg.output_tokens.draw(self._lengths)
+        return None
 
     async def _stream(self, request: web.Request, plan: Plan, renderer: Renderer, ch: Channel) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
@@ -337,7 +365,7 @@ class SimServer:
                 ch.wake.clear()
                 await ch.wake.wait()
             parts = [
-                renderer.chunk(i, "length" if ch.finished and i == ch.produced else None)
+                renderer.chunk(i, ch.finish_reason if ch.finished and i == ch.produced else None)
                 for i in range(sent + 1, ch.produced + 1)
             ]
             sent = ch.produced

@@ -21,6 +21,7 @@ def test_scenario_plan_is_deterministic_and_fits(path: Path) -> None:
     cfg = config_from_args(build_parser().parse_args(list(sc.sim_args)))
     for a in plan:
         assert a.prompt_tokens + a.max_tokens <= cfg.max_model_len
+        assert a.prompt_tokens + (a.sent_max_tokens or 0) <= cfg.max_model_len  # else the engine answers 400
     for c in sc.classes:
         n = sum(1 for a in plan if a.cls == c.name)
         if c.rate:  # Poisson: the count is near rate x duration (5 sigma)
