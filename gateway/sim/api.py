@@ -22,6 +22,10 @@ ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) 
 SIM_OUTPUT_FIELD = "sim_output_tokens"
 
 
+# vLLM's CompletionRequest default when a completion sends no max_tokens
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
 class ApiError(Exception):
     """An error with vLLM's body ``{"error": {"message", "type", "param", "code"}}``."""
 
@@ -89,7 +93,9 @@ def plan_request(
     if int(body.get("n", 1)) != 1:
         raise ApiError(400, "n > 1 is not supported by the simulator", "BadRequestError", "n")
     raw_max = body.get("max_completion_tokens", body.get("max_tokens"))
-    if prompt_len >= max_model_len and raw_max is None:
+    if raw_max is None and kind != "chat":
+        raw_max = COMPLETIONS_DEFAULT_MAX_TOKENS  # vLLM's CompletionRequest default
+    if prompt_len >= max_model_len:
         raise ApiError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, your request has "
@@ -101,15 +107,8 @@ def plan_request(
     else:
         if not isinstance(raw_max, int) or isinstance(raw_max, bool) or raw_max < 1:
             raise ApiError(400, "max_tokens must be at least 1", "BadRequestError", "max_tokens")
-        max_tokens = raw_max
-        if prompt_len + max_tokens > max_model_len:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the "
-                "completion). Please reduce the length of the messages or completion.",
-                "BadRequestError",
-            )
+        # vLLM's get_max_tokens: a cap past the context is clamped to what is left of it, not refused
+        max_tokens = min(raw_max, max_model_len - prompt_len)
     min_tokens = _int_field(body, "min_tokens", minimum=0) or 0
     if min_tokens > max_tokens:
         raise ApiError(

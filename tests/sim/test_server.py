@@ -107,8 +107,10 @@ def test_openai_client_shapes_and_vllm_errors(sim: StartSim) -> None:
 
     done = client.completions.create(model=MODEL, prompt=list(range(100)), max_tokens=5)
     assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (100, 5)
-    # No max_tokens: generation stops at max_model_len.
-    long = client.completions.create(model=MODEL, prompt=list(range(2000)))
+    # No max_tokens: vLLM's completions default of 16; a cap past the context is clamped to what is left of it.
+    short = client.completions.create(model=MODEL, prompt=list(range(100)))
+    assert short.usage is not None and short.usage.completion_tokens == 16
+    long = client.completions.create(model=MODEL, prompt=list(range(2000)), max_tokens=2000)
     assert long.usage is not None and long.usage.completion_tokens == 48
     assert long.choices[0].finish_reason == "length"
 
@@ -122,7 +124,7 @@ def test_openai_client_shapes_and_vllm_errors(sim: StartSim) -> None:
         "code": 404,
     }
     with pytest.raises(openai.BadRequestError) as br:
-        client.completions.create(model=MODEL, prompt=list(range(100)), max_tokens=2000)
+        client.completions.create(model=MODEL, prompt=list(range(2049)), max_tokens=5)
     assert "maximum context length is 2048 tokens" in str(br.value)
     raw = httpx.post(proc.url + "/v1/completions", json={"model": MODEL, "prompt": list(range(2048))})
     assert raw.status_code == 400 and raw.json()["error"]["code"] == 400
