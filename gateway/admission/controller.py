@@ -106,6 +106,7 @@ class Caution:
         self.relax_after_s = relax_after_s
         self.level = 0
         self._calm_since: float | None = None
+        self._raised_at: float | None = None
 
     @property
     def quantile(self) -> float:
@@ -114,8 +115,12 @@ class Caution:
         return 1 - (1 - self.base) / 2.0**self.level
 
     def observe(self, now: float, trouble: bool) -> None:
+        """One sample's verdict. One episode of trouble spans many samples: it raises the level once per
+        ``relax_after_s / 6`` at most, so a burst of preemptions steps it up, not straight to the top."""
         if trouble:
-            self.level = min(self.MAX_LEVEL, self.level + 1)
+            if self._raised_at is None or now - self._raised_at >= self.relax_after_s / 6:
+                self.level = min(self.MAX_LEVEL, self.level + 1)
+                self._raised_at = now
             self._calm_since = now
         elif self.level > 0:
             if self._calm_since is None:
@@ -154,7 +159,10 @@ class AdmissionController:
         self.ledger.commit_sample()
         self.gate.observe(sample.usage)
         preempted = previous is not None and sample.preemptions > previous.preemptions
-        self.caution.observe(sample.taken_at, preempted or sample.usage > self.config.high_watermark)
+        # Only trouble our own estimates could have caused: with nothing of ours in flight, a preempting engine
+        # is someone else's doing (traffic around the gateway), and reserving more would not help.
+        ours = len(self.ledger) > 0
+        self.caution.observe(sample.taken_at, ours and (preempted or sample.usage > self.config.high_watermark))
 
     def is_stale(self, now: float) -> bool:
         return self.sample is None or now - self.sample.taken_at > self.config.stale_after_s

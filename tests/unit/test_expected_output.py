@@ -80,17 +80,23 @@ def test_preemptions_make_it_cautious_and_calm_relaxes_it_slowly() -> None:
     caution = Caution(0.9, relax_after_s=30.0)
     assert caution.quantile == 0.9
     caution.observe(1.0, trouble=True)
-    caution.observe(2.0, trouble=True)
+    caution.observe(2.0, trouble=True)  # the same episode: at most one step per 5 s
+    assert caution.quantile == 0.95
+    caution.observe(7.0, trouble=True)
     assert caution.quantile == 0.975
     caution.observe(20.0, trouble=False)
     assert caution.quantile == 0.975  # not calm for long enough yet
-    caution.observe(32.0, trouble=False)
+    caution.observe(38.0, trouble=False)  # 30 s since the last trouble
     assert caution.quantile == 0.95
     for t in range(3):
-        caution.observe(100.0 + t, trouble=True)
+        caution.observe(100.0 + 5 * t, trouble=True)
     assert caution.quantile == 1.0  # the whole budget: worst case until the engine calms down
     c = controller()
-    c.apply_sample(UsageSample(0.5, 1.0, preemptions=3.0))  # the counter moved since the last sample
+    c.apply_sample(UsageSample(0.5, 1.0, preemptions=3.0))  # preemptions with nothing of ours in flight
+    assert c.caution.quantile == 0.7  # someone else's traffic: not a reason to reserve more
+    res = c.submit(chat(), "t", 1.0, key=KEY)
+    assert isinstance(res, Admitted)
+    c.apply_sample(UsageSample(0.5, 2.0, preemptions=5.0))  # the counter moved while ours ran
     assert c.caution.quantile == 0.85  # the configured 0.7, one step more cautious
 
 
