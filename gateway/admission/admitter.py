@@ -218,6 +218,7 @@ class Admitter:
                     "waited_s": round(now - ticket.enqueued_at, 3),
                 }
                 future.set_exception(wait_predicted(min(max(predicted, 1.0), 600.0), extra))
+        self.pump()  # a refused ticket at the head may have held back one that fits
 
     def scrape_failed(self) -> None:
         self.pump()  # the stale policy may admit (or keep holding) by its own rules

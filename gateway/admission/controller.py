@@ -161,8 +161,10 @@ class AdmissionController:
         preempted = previous is not None and sample.preemptions > previous.preemptions
         # Only trouble our own estimates could have caused: with nothing of ours in flight, a preempting engine
         # is someone else's doing (traffic around the gateway), and reserving more would not help.
+        # Usage a block or two past the watermark is rounding; halfway to a full pool is an overshoot.
+        overshoot = sample.usage > (1 + self.config.high_watermark) / 2
         ours = len(self.ledger) > 0
-        self.caution.observe(sample.taken_at, ours and (preempted or sample.usage > self.config.high_watermark))
+        self.caution.observe(sample.taken_at, ours and (preempted or overshoot))
 
     def is_stale(self, now: float) -> bool:
         return self.sample is None or now - self.sample.taken_at > self.config.stale_after_s
@@ -278,13 +280,17 @@ class AdmissionController:
     def progress(self, res: Reservation, generated: int, now: float) -> None:
         self.ledger.progress(res, generated, now)
         expected, full = res.cost.max_output, res.full.max_output
+        if expected >= full:
+            return  # holds its whole budget already
         seen = res.generated // max(1, res.cost.num_sequences)
         if expected < full and seen + ENGINE_LEAD_TOKENS >= expected and self.geometry is not None:
             # it outran its estimate: expect what the requests that went this far went on to, or its budget
             longer = self.lengths.quantile(res.key, self.caution.quantile, above=seen)
             cap = full if longer is None else max(longer, seen + 2 * ENGINE_LEAD_TOKENS)
             self.ledger.resize(res, res.full.capped(cap, self.geometry.block_size))
-            self.outran += 1
+            if not res.outran:
+                res.outran = True
+                self.outran += 1
 
     # --- learning what requests really use ----------------------------------------------------------
 
@@ -293,6 +299,8 @@ class AdmissionController:
         than its budget; the whole budget while nothing is known or the engine has shown it is too tight."""
         q = self.caution.quantile
         if not self.config.output_estimate.enabled or cost.max_output == 0 or q >= 1 or self.geometry is None:
+            return cost
+        if cost.num_sequences > 1:  # n > 1 or a batch: the longest sequence is what fills the pool
             return cost
         expected = self.lengths.quantile(key, q) or self.config.output_estimate.prior_tokens
         if expected is None:
@@ -303,9 +311,13 @@ class AdmissionController:
         return cost.capped(expected, self.geometry.block_size)
 
     def learn(self, res: Reservation, completion_tokens: int) -> None:
-        """A request finished normally after producing ``completion_tokens`` (over all its sequences)."""
-        if res.full.max_output > 0:
-            self.lengths.observe(res.key, completion_tokens // max(1, res.full.num_sequences))
+        """A request finished normally after producing ``completion_tokens`` (over all its sequences). One that
+        ran into its own budget says nothing of where it would have stopped (a completion's default of 16 would
+        teach every chat that outputs are 16 tokens long), and neither does a batch, whose mean hides its
+        longest sequence: neither is learned."""
+        full = res.full
+        if full.max_output > 0 and full.num_sequences == 1 and completion_tokens < full.max_output:
+            self.lengths.observe(res.key, completion_tokens)
 
     def release(self, res: Reservation, now: float) -> bool:
         released = self.ledger.release(res)
@@ -322,12 +334,13 @@ class AdmissionController:
     def hopeless(self, now: float) -> list[tuple[Ticket, float]]:
         """Queued tickets whose predicted wait now runs past their deadline, taken out of the queue, each with
         its predicted wait: they are refused as soon as that is known, not at the end of their budget."""
-        if not self.drain.mature(now):
+        rate = self.drain.per_second(now)
+        if not self.drain.mature(now) or rate <= 0:
             return []
-        doomed = []
+        doomed: list[tuple[Ticket, float]] = []
         for position, ticket in enumerate(self.queue.in_order(), start=1):
-            predicted = self.predicted_wait(position, now)
-            if predicted is not None and now + predicted > ticket.deadline:
+            predicted = (position - len(doomed)) / rate  # those refused before it leave the line too
+            if now + predicted > ticket.deadline:
                 doomed.append((ticket, predicted))
         for ticket, _ in doomed:
             self.queue.remove(ticket)

@@ -31,6 +31,7 @@ class Reservation:
     admitted_at: float
     full: RequestCost
     key: tuple[str, ...] = ()
+    outran: bool = False  # has grown past its first estimate
     first_token_at: float | None = None
     generated: int = 0
     in_sample_blocks: int = 0

@@ -22,7 +22,14 @@ from typing import Any
 import orjson
 
 from gateway.protocol.errors import bad_request
-from gateway.protocol.requests import InferenceRequest, Prompt, json_object, optional_field, parse_request
+from gateway.protocol.requests import (
+    RUNS_TO_BUDGET,
+    InferenceRequest,
+    Prompt,
+    json_object,
+    optional_field,
+    parse_request,
+)
 from gateway.protocol.routes import BodyKind
 
 
@@ -30,7 +37,7 @@ def parse_body(kind: BodyKind, raw: bytes) -> InferenceRequest:
     if kind in ("chat", "completions"):
         return parse_request(kind, raw)
     if kind == "audio":
-        return InferenceRequest("completions", None, 1, None, None, [[]], None)
+        return InferenceRequest("completions", None, 1, None, None, [[]], None, min_tokens=RUNS_TO_BUDGET)
     body = json_object(raw)
     if kind == "invocations":
         if "messages" in body:
@@ -95,6 +102,9 @@ def _chat(body: dict[str, Any], messages: list[dict[str, Any]], max_tokens: int 
 
 
 def _responses(body: dict[str, Any]) -> InferenceRequest:
+    if body.get("background"):
+        # the engine would go on generating after the answer, outside any reservation
+        raise bad_request("Background responses are not supported through this gateway.", param="background")
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:

@@ -33,6 +33,9 @@ class InferenceRequest:
 
 # vLLM's CompletionRequest defaults max_tokens to 16; chat leaves it open (the context's rest).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# A floor no budget reaches: the request runs to its budget (ignore_eos, or audio nobody can predict), so no
+# estimate of where it stops applies.
+RUNS_TO_BUDGET = 2**31 - 1
 
 
 def json_object(raw: bytes) -> dict[str, Any]:
@@ -65,6 +68,8 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     min_tokens = optional_field(body, "min_tokens", int) or 0
     if min_tokens < 0:
         raise bad_request(f"'min_tokens' must be at least 0, got {min_tokens}.", param="min_tokens")
+    if optional_field(body, "ignore_eos", bool):
+        min_tokens = RUNS_TO_BUDGET
 
     messages: list[dict[str, Any]] | None = None
     prompts: list[Prompt] = []

@@ -121,6 +121,10 @@ class Exchange:
         if self.charge is not None:
             headers += ratelimit_headers(self.charge.decision)
         admission = self.admission
+        if admission is not None and admission.reservation.full.max_output > 0:
+            # the output this request was admitted for (per sequence): the learned estimate, or its whole budget
+            expected = admission.reservation.cost.max_output
+            headers.append((b"x-kvgate-expected-output-tokens", str(expected).encode()))
         if admission is not None and (admission.waited_s > 0 or self.slot_wait_s > 0):
             headers += [
                 (b"x-kvgate-queue-position", str(admission.queue_position).encode()),
@@ -146,7 +150,7 @@ class Exchange:
             return
         self.outcome = outcome = self._outcome(exc)
         if self.admission is not None:
-            if outcome == "completed":
+            if outcome == "completed" and self.writer.status == 200:  # an engine error teaches nothing
                 produced = self.usage.completion_tokens if self.usage is not None else self.generated
                 self._admitter.learn(self.admission.reservation, produced)
             self._admitter.release(self.admission.reservation, outcome)

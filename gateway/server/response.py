@@ -17,9 +17,11 @@ class ResponseWriter:
         self._send = send
         self.started = False
         self.finished = False
+        self.status = 0
 
     async def start(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> None:
         self.started = True
+        self.status = status
         await self._send({"type": "http.response.start", "status": status, "headers": list(headers)})
 
     async def body(self, chunk: bytes, more: bool = False) -> None:

@@ -13,6 +13,9 @@ from gateway.config import AuthConfig, TenantConfig, TenantLimits
 from gateway.tenants.auth import TenantDirectory
 from gateway.tenants.ratelimit import RateLimits
 
+# The longest wait a client may ask for when its tenant sets no limit: the OpenAI SDKs' default read timeout.
+MAX_CLIENT_WAIT_S = 600.0
+
 
 @dataclass(frozen=True, slots=True)
 class TenantPolicy:
@@ -31,7 +34,7 @@ class TenantPolicy:
         limit), else the tenant's, else the config's."""
         if client_s is None:
             return self.wait_budget_s
-        return client_s if self.wait_cap_s is None else min(client_s, self.wait_cap_s)
+        return min(client_s, self.wait_cap_s or MAX_CLIENT_WAIT_S)
 
 
 class Policy:

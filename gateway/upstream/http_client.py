@@ -4,8 +4,8 @@ Why not aiohttp here: a bare uvicorn relay spends most of its CPU in the upstrea
 request machinery (URL objects, multidicts, payload classes, tracing hooks) costs far more than the bytes
 need (measured side by side: ``python3 loadtests/bench_upstream_client.py``). This client writes one
 request with a single ``write``, parses the answer with httptools (the parser uvicorn uses) and hands body
-chunks straight to the caller. aiohttp still serves every other upstream call: scrapes, ``/tokenize`` and
-passthrough paths, where HEAD requests and rarer framings occur.
+chunks straight to the caller. It carries every request a client sends (generation and passthrough routes);
+aiohttp serves kvgate's own calls to the engine: scrapes and ``/tokenize``.
 
 What it does:
 
@@ -249,6 +249,9 @@ class Response:
 
     def finish(self) -> None:
         self.complete = True
+        if self._timer is not None:  # the engine is done: its silence no longer matters
+            self._timer.cancel()
+            self._timer = None
         self._wake()
 
     def fail(self, error: BaseException) -> None:
@@ -260,9 +263,12 @@ class Response:
         """Fires ``silence_s`` after the last activity was seen; the timer is pushed back lazily (one
         reschedule per silence period, not one per chunk). Paused reading is our caller's silence, not the
         engine's."""
+        now = self.loop.time()
+        if self.conn.paused:  # our caller is slow, not the engine: look again a whole period later
+            self.last_activity = now
         due = self.last_activity + self.silence_s
-        if self.conn.paused or due > self.loop.time():
-            self._timer = self.loop.call_at(max(due, self.loop.time() + 0.001), self._on_timer)
+        if due > now:
+            self._timer = self.loop.call_at(due, self._on_timer)
             return
         self._timer = None
         self.fail(TimeoutError(f"the engine sent nothing for {self.silence_s:g}s"))

@@ -1,4 +1,4 @@
-"""The aiohttp session shared by every upstream call off the hot path (scrapes, /tokenize, passthrough).
+"""The aiohttp session shared by kvgate's own calls to the engine (scrapes, /v1/models, /tokenize).
 
 aiohttp binds a session to the running event loop, which exists only once the server runs; the parts that use
 it are built before that. So they share this handle, which opens the session on first use and closes it once.

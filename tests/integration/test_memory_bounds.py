@@ -59,7 +59,8 @@ def test_queued_bodies_are_bounded_in_bytes(
     for _ in range(20):  # 20 MB offered, 3 MB may wait
         sock = send(gw, {"prompt": [1] * 16, "max_tokens": 16 * 20, "user": "x" * FILLER})
         sock.settimeout(0.05)
-        while True:  # either it is queued now, or it has its answer
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # either it is queued now, or it has its answer
             if scrape(gw)["kvgate_queue_depth"] > len(queued):
                 queued.append(sock)
                 break
@@ -70,6 +71,8 @@ def test_queued_bodies_are_bounded_in_bytes(
             refused += 1
             sock.close()
             break
+        else:
+            raise AssertionError("the request was neither queued nor answered")
     grown = rss_bytes(pid) - before
     assert len(queued) == 3 and refused == 17
     assert scrape(gw)["kvgate_requests_rejected_total{reason=queue_full}"] == 17

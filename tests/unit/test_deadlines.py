@@ -77,3 +77,4 @@ def test_the_wait_budget_is_the_clients_when_it_says_so() -> None:
     free = TenantPolicy("t", "t", RateLimits(), None, 120.0, QueueClass())
     assert capped.wait_budget(599.0) == 10.0 and capped.wait_budget(None) == 10.0
     assert free.wait_budget(599.0) == 599.0 and free.wait_budget(None) == 120.0
+    assert free.wait_budget(1e9) == 600.0  # no client queues longer than the SDKs' own default timeout
