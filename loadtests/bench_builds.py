@@ -23,17 +23,18 @@ from loadtests.bench_overhead import Arm, layouts, pin, run_arm
 from tests.support.procs import REPO, start_gateway, start_mini_vllm
 
 
-async def bench(args: argparse.Namespace, baseline_tree: Path) -> str:
+async def bench(args: argparse.Namespace, baseline_tree: Path, current_tree: Path) -> str:
     config = {"tokenizer": "heuristic", "log_level": "warning"}
     lines = [
-        f"Gateway CPU ms per request, this tree vs {args.baseline}; {args.rounds} interleaved rounds of "
+        f"Gateway CPU ms per request, {args.current or 'this tree'} vs {args.baseline}; "
+        f"{args.rounds} interleaved rounds of "
         f"{args.requests} requests per build and cell; {args.tokens}-token responses; layout {args.layout}.\n",
         "| mode | concurrency | current CPU ms/req | baseline CPU ms/req | current / baseline | errors |",
         "|---|---|---|---|---|---|",
     ]
     with (
         start_mini_vllm(num_blocks=100000, block_size=16, token_delay_ms=0) as upstream,
-        start_gateway(upstream.url, config) as current,
+        start_gateway(upstream.url, config, tree=current_tree) as current,
         start_gateway(upstream.url, config, tree=baseline_tree) as baseline,
     ):
         others, gateway_cores = layouts(args.layout)[args.layout]
@@ -66,6 +67,7 @@ async def bench(args: argparse.Namespace, baseline_tree: Path) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", required=True, help="git revision to compare with")
+    p.add_argument("--current", help="git revision to measure (default: the working tree as it is)")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--tokens", type=int, default=16)
@@ -73,13 +75,20 @@ def main() -> None:
     p.add_argument("--layout", choices=["shared", "pinned"], default="pinned")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="kvgate-baseline-") as tmp:
-        tree = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "-q", "--detach", str(tree), args.baseline], cwd=REPO, check=True)
+    with tempfile.TemporaryDirectory(prefix="kvgate-builds-") as tmp:
+        trees = {"baseline": Path(tmp) / "baseline", "current": Path(tmp) / "current" if args.current else REPO}
+        revisions = {"baseline": args.baseline, "current": args.current}
+        for name, rev in revisions.items():
+            if rev is not None:
+                subprocess.run(
+                    ["git", "worktree", "add", "-q", "--detach", str(trees[name]), rev], cwd=REPO, check=True
+                )
         try:
-            table = asyncio.run(bench(args, tree))
+            table = asyncio.run(bench(args, trees["baseline"], trees["current"]))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, check=False)
+            for name, rev in revisions.items():
+                if rev is not None:
+                    subprocess.run(["git", "worktree", "remove", "--force", str(trees[name])], cwd=REPO, check=False)
     if args.out:
         args.out.write_text(table)
     print(table)

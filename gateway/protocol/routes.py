@@ -72,6 +72,7 @@ CLOSED = frozenset(
         "/v1/realtime", "/v1/systemone",
     }
 )  # fmt: skip
+POST_ONLY = frozenset({"POST"})
 # Methods an allow-listed admin path may use. HEAD is left out: its answer has a length but no body.
 ALLOWED_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})
 
@@ -95,16 +96,16 @@ def is_canonical(path: str) -> bool:
 
 def route(method: str, raw_path: str, allowed: frozenset[str]) -> Route:
     """The route for ``method raw_path``, or a GatewayError: 400 non-canonical, 404 unknown, 405 wrong method."""
+    body = GENERATION.get(raw_path)  # the tables' paths are canonical: an exact hit needs no further check
+    if body is not None:
+        _check_method(method, POST_ONLY)
+        return Route("generation", raw_path, body)
     if not is_canonical(raw_path):
         raise GatewayError(
             400,
             "The request path is not in canonical form (percent-encoding, dot segments, '//' or a trailing '/').",
             code="invalid_path",
         )
-    body = GENERATION.get(raw_path)
-    if body is not None:
-        _check_method(method, frozenset({"POST"}))
-        return Route("generation", raw_path, body)
     methods = READ_ONLY.get(raw_path)
     if methods is not None:
         _check_method(method, methods)

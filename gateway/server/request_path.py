@@ -165,13 +165,18 @@ CLIENT_MARGIN_S = 1.0  # answered this long before the client's own timeout woul
 
 
 def client_wait_budget(headers: list[tuple[bytes, bytes]]) -> float | None:
-    """Seconds the client is prepared to wait, from its headers (None: it did not say)."""
+    """Seconds the client is prepared to wait, from its headers (None: it did not say); kvgate's own header
+    first. One pass over the headers (ASGI servers hand their names over lower-cased)."""
+    found: dict[bytes, bytes] = {}
+    for key, value in headers:
+        if key in WAIT_HEADERS:
+            found[key] = value
     for name in WAIT_HEADERS:
-        value = _header(headers, name)
-        if value is None:
+        raw = found.get(name)
+        if raw is None:
             continue
         try:
-            seconds = float(value)
+            seconds = float(raw)
         except ValueError:
             continue
         if seconds > 0 and seconds != float("inf"):
