@@ -13,6 +13,7 @@ import uvicorn
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.logs import configure_logging
 from gateway.server.app import Gateway
+from gateway.server.http_server import guarded_protocol
 from gateway.tokens.tokenizers import TokenizerUnavailable, load_tokenizer
 
 log = logging.getLogger("kvgate")
@@ -77,21 +78,39 @@ def run(args: argparse.Namespace) -> int:
             log.error("cannot load tokenizer %r: %s", config.tokenizer, exc)
             return 2
     gateway = Gateway(config, config_path=args.config)
-    uv_config = uvicorn.Config(
+    DrainingServer(uvicorn_config(gateway, config), gateway, args.drain_timeout).run()
+    return 0
+
+
+def uvicorn_config(gateway: Gateway, config: GatewayConfig) -> uvicorn.Config:
+    """How the client side is served (``listen``).
+
+    * Read deadlines for a request's head and body (slowloris): ``GuardedHttpProtocol``, httptools only.
+    * ``keepalive_timeout_s``: uvicorn closes a keep-alive connection idle for that long.
+    * ``max_connections``: uvicorn's ``limit_concurrency``. It still accepts every connection, but answers a
+      request with ``503`` + ``Connection: close`` (not from the app, so no Retry-After, no metrics) while the
+      open connections, counting the asking one, or the requests in progress, reach its limit: hence ``+ 1``,
+      so exactly ``max_connections`` connections are served. Idle connections count: the head deadline and
+      the keep-alive timeout are what bound how long a connection that sends nothing holds a place.
+    * ``ws="none"``: kvgate has no websocket routes, so an ``Upgrade`` request is served as plain HTTP by the
+      normal routing (404 for unknown paths) instead of going to a websocket handshake the app never completes.
+    """
+    listen = config.listen
+    return uvicorn.Config(
         gateway,
-        host=config.listen.host,
-        port=config.listen.port,
+        host=listen.host,
+        port=listen.port,
         loop="uvloop" if _has("uvloop") else "asyncio",
-        http="httptools" if _has("httptools") else "h11",
+        http=guarded_protocol(listen),
+        ws="none",
+        limit_concurrency=listen.max_connections + 1,
+        timeout_keep_alive=listen.keepalive_timeout_s,  # type: ignore[arg-type]  # typed int, used as a float
         lifespan="on",
         access_log=False,
         log_config=None,
         timeout_graceful_shutdown=5,  # after the drain: what uvicorn still allows open connections
-        timeout_keep_alive=30,
         proxy_headers=False,  # kvgate is the edge of the pod; X-Forwarded-* rewriting costs CPU per request
     )
-    DrainingServer(uv_config, gateway, args.drain_timeout).run()
-    return 0
 
 
 def _has(module: str) -> bool:
