@@ -36,12 +36,13 @@ def main(argv: list[str]) -> int:
     rep.add_argument("--out", default=str(HERE / "results"))
     rep.add_argument("--only", help="comma list of scenario names to (re)run")
     rep.add_argument("--keep-sweep", action="store_true", help="reuse a saved sweep.json")
+    rep.add_argument("--reuse", action="store_true", help="read back arms already saved instead of running them")
     args = p.parse_args(argv)
 
     if args.cmd == "report":
         from loadtests.full_report import build
 
-        return build(Path(args.out), set(args.only.split(",")) if args.only else None, args.keep_sweep)
+        return build(Path(args.out), set(args.only.split(",")) if args.only else None, args.keep_sweep, args.reuse)
     sc = scenario.load(args.scenario)
     out = Path(args.out) if args.out else HERE / "results" / sc.name
     out.mkdir(parents=True, exist_ok=True)

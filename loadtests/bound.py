@@ -72,21 +72,25 @@ def closed_loop_capacity(
     warmup_s: float = 30.0,
     stagger_s: float = 0.0,
     largest_class: bool = False,
+    mixed: bool = False,
 ) -> dict[str, Any]:
     """The engine's own closed-loop throughput: ``concurrency`` clients, each replacing its request the moment
-    it finishes, in-process (no HTTP), sizes drawn from the scenario's first class (or its largest one);
-    client ``i`` starts at ``stagger_s * i / concurrency``; rates over ``[warmup_s, duration_s]``. Steps that
-    would OOM are counted, not enacted."""
+    it finishes, in-process (no HTTP), sizes drawn from the scenario's first class (or its largest one, or,
+    ``mixed``, from the whole mix in proportion to the classes' rates); a request runs to its natural length
+    when its class has one, else to its cap; client ``i`` starts at ``stagger_s * i / concurrency``; rates
+    over ``[warmup_s, duration_s]``. Steps that would OOM are counted, not enacted."""
     cfg = config_from_args(build_parser().parse_args(list(scenario.sim_args)))
     cls = max(scenario.classes, key=lambda c: c.prompt_tokens.max) if largest_class else scenario.classes[0]
     rng = random.Random(scenario.seed)
+    natural_rng = random.Random(f"{scenario.seed}/output_tokens")
     eng = Engine(cfg)
     n = done = 0
 
     def add(now: float) -> None:
         nonlocal n
         n += 1
-        eng.add(SimRequest(str(n), cls.prompt_tokens.draw(rng), cls.max_tokens.draw(rng), now))
+        a = scenario.draw_mixed(rng, natural_rng) if mixed else scenario.draw(cls, rng, natural_rng)
+        eng.add(SimRequest(str(n), a.prompt_tokens, a.max_tokens, now))
 
     starts = collections.deque(stagger_s * i / concurrency for i in range(concurrency))
     now, oom_steps, kv_time, t0, done0, gen0 = 0.0, 0, 0.0, None, 0, 0

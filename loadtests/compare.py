@@ -2,6 +2,8 @@
 
 * ``direct``: clients talk to the simulated vLLM;
 * ``kvgate``: clients talk to ``kvgate serve`` in front of it;
+* ``kvgate-worst``: the same, with ``admission.output_estimate.enabled: false``: every request reserved at its
+  worst case (``max_tokens``, or the context's rest), as before the output estimate;
 * ``vllm-queue``: clients talk to the simulator started with vLLM's own ``--max-num-queued-reqs``.
 
 The simulator runs in OOM ``restart`` mode so a crash is counted (from its log, as an operator would) and the
@@ -28,7 +30,8 @@ from loadtests.scenario import Scenario
 from loadtests.stats import RequestRecord, Sample, summarize, to_engine_time
 from tests.support.procs import Proc, start_gateway, start_sim
 
-ARMS = ("direct", "kvgate", "vllm-queue")
+ARMS = ("direct", "kvgate", "kvgate-worst", "vllm-queue")
+GATEWAY_ARMS = ("kvgate", "kvgate-worst")
 OOM_LINE = re.compile(r"CUDA out of memory")
 
 
@@ -58,14 +61,19 @@ def sim_args(scenario: Scenario, arm: str) -> list[str]:
     return args
 
 
-def gateway_config(scenario: Scenario, upstream: str) -> dict[str, Any]:
-    """The scenario's gateway section, with every duration converted from simulated to real seconds."""
+def gateway_config(scenario: Scenario, upstream: str, arm: str = "kvgate") -> dict[str, Any]:
+    """The scenario's gateway section, with every duration converted from simulated to real seconds;
+    ``kvgate-worst`` turns the output estimate off (worst-case reservations)."""
+    if arm not in GATEWAY_ARMS:
+        raise ValueError(f"arm {arm} has no gateway")
     g = scenario.gateway
     ts = scenario.time_scale
     admission = dict(g.get("admission", {}))
     for key in ("queue_max_wait_s",):
         if key in admission:
             admission[key] = admission[key] * ts
+    if arm == "kvgate-worst":
+        admission["output_estimate"] = {**admission.get("output_estimate", {}), "enabled": False}
     telemetry = dict(g.get("telemetry", {}))
     cfg: dict[str, Any] = {"upstream": {"url": upstream}, "admission": admission, "telemetry": telemetry}
     if "tenants" in g:
@@ -80,11 +88,11 @@ def api_keys(scenario: Scenario) -> dict[str, str]:
 @contextlib.contextmanager
 def targets(scenario: Scenario, arm: str, out: Path) -> Iterator[tuple[Proc, Proc | None]]:
     with start_sim(sim_args(scenario, arm), out / "sim.log") as sim:
-        if arm != "kvgate":
+        if arm not in GATEWAY_ARMS:
             yield sim, None
             return
         cfg_path = out / "kvgate.yaml"
-        cfg_path.write_text(yaml.safe_dump(gateway_config(scenario, sim.url), sort_keys=False))
+        cfg_path.write_text(yaml.safe_dump(gateway_config(scenario, sim.url, arm), sort_keys=False))
         with start_gateway(sim.url, cfg_path, tokenizer="heuristic", log_path=out / "kvgate.log") as gw:
             yield sim, gw
 
@@ -118,7 +126,37 @@ def run_arm(scenario: Scenario, arm: str, out_dir: Path) -> ArmResult:
     return ArmResult(arm, records, samples, summary)
 
 
-def compare(scenario: Scenario, arms: tuple[str, ...], out_dir: Path) -> list[ArmResult]:
-    results = [run_arm(scenario, arm, out_dir) for arm in arms]
+def load_arm(out_dir: Path, arm: str) -> ArmResult:
+    """An arm saved by ``run_arm`` (``runner.save``), read back for a report without running it again."""
+    out = out_dir / arm
+    records = [RequestRecord(**json.loads(line)) for line in (out / "requests.jsonl").read_text().splitlines()]
+    samples = []
+    lines = (out / "samples.csv").read_text().splitlines()
+    names = lines[0].split(",")
+    for line in lines[1:]:
+        row = dict(zip(names, line.split(","), strict=True))
+        samples.append(
+            Sample(
+                **{
+                    k: (bool(int(v)) if k == "up" else float(v))
+                    for k, v in row.items()
+                    if k in Sample.__dataclass_fields__
+                }
+            )
+        )
+    return ArmResult(arm, records, samples, json.loads((out / "summary.json").read_text()))
+
+
+def compare(scenario: Scenario, arms: tuple[str, ...], out_dir: Path, reuse: bool = False) -> list[ArmResult]:
+    """Run every arm (``reuse``: read back the arms already saved under ``out_dir``, run only the missing)."""
+    unknown = set(arms) - set(ARMS)
+    if unknown:
+        raise ValueError(f"unknown arms {sorted(unknown)}; known: {', '.join(ARMS)}")
+    results = [
+        load_arm(out_dir, arm)
+        if reuse and (out_dir / arm / "summary.json").exists()
+        else run_arm(scenario, arm, out_dir)
+        for arm in arms
+    ]
     (out_dir / "compare.json").write_text(json.dumps([r.summary for r in results], indent=2, default=str) + "\n")
     return results

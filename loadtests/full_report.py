@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loadtests import compare, scenario
+from loadtests import compare, natural, scenario
 from loadtests.bound import burst_bound, closed_loop_capacity
 from loadtests.report import plots, table
 from loadtests.sweep import sweep
@@ -22,7 +22,13 @@ PLAN: list[tuple[str, tuple[str, ...]]] = [
     ("overload-2x", ("direct", "kvgate", "vllm-queue")),
     ("mixed-chat", ("direct", "kvgate")),
     ("multi-tenant", ("direct", "kvgate")),
+    ("chat-natural-8b-h100", ("direct", "kvgate", "kvgate-worst", "vllm-queue")),
+    ("mixed-generous-8b-h100", ("direct", "kvgate", "kvgate-worst", "vllm-queue")),
+    ("deadline-8b-h100", ("direct", "kvgate")),
 ]
+NATURAL = ("chat-natural-8b-h100", "mixed-generous-8b-h100")
+PLAN_CAPS = (64, 128, 192, 256, 320, 384, 448, 512, 100_000)  # 100,000: no cap at all
+CLOSED_LOOP_LEVELS = (64, 128, 192, 256, 288, 320, 352, 384, 448)
 
 
 def _check(ok: bool, text: str) -> str:
@@ -104,7 +110,7 @@ def overload_checks(res: list[compare.ArmResult], sc: scenario.Scenario) -> list
     return lines
 
 
-def build(out: Path, only: set[str] | None, keep_sweep: bool = False) -> int:
+def build(out: Path, only: set[str] | None, keep_sweep: bool = False, reuse: bool = False) -> int:
     out.mkdir(parents=True, exist_ok=True)
     sections: dict[str, str] = {}
     best: dict[str, Any] | None = None
@@ -132,16 +138,33 @@ def build(out: Path, only: set[str] | None, keep_sweep: bool = False) -> int:
             (dest / "bound.json").write_text(json.dumps(bound, indent=2) + "\n")
             extra.append(bound_table(bound))
         print(f"compare {name}: {', '.join(arms)}", flush=True)
-        res = compare.compare(sc, arms, dest)
+        res = compare.compare(sc, arms, dest, reuse=reuse)
         plots(res, dest, name)
-        checks = (
-            burst_checks(res, best, bound)
-            if name.startswith("burst")
-            else (overload_checks(res, sc) if name.startswith("overload") else [])
-        )
+        if name in NATURAL:
+            ref = natural.reference(sc, PLAN_CAPS, CLOSED_LOOP_LEVELS)
+            (dest / "reference.json").write_text(json.dumps(ref, indent=2) + "\n")
+            checks = natural.natural_checks(res, ref)
+            extra.append(natural.reference_table(ref))
+        elif name.startswith("deadline"):
+            checks = natural.deadline_checks(res)
+        elif name.startswith("burst"):
+            checks = burst_checks(res, best, bound)
+        else:
+            checks = overload_checks(res, sc) if name.startswith("overload") else []
         body = [f"## {name}", "", sc.description.strip(), "", table(res), ""]
         if checks:
             body += ["Checks:", "", *checks, ""]
+        estimate = natural.estimator_lines(res) if sc.natural else []
+        if estimate and natural.estimator_plot(res, dest, name) is not None:
+            body += [
+                "The output estimate, per served request (reserved output from the response's "
+                "`x-kvgate-expected-output-tokens`, actual from the stream's usage):",
+                "",
+                *estimate,
+                "",
+                f"![estimator error]({name}/estimator_error.png)",
+                "",
+            ]
         body += extra
         body += [
             f"![KV usage]({name}/kv_usage.png)",

@@ -17,7 +17,7 @@ import orjson
 
 from gateway.sim.api import SIM_OUTPUT_FIELD
 from loadtests.scenario import Arrival
-from loadtests.stats import RequestRecord, Sample
+from loadtests.stats import RETRYABLE, RequestRecord, Sample
 from tests.support.sampler import Sampler
 
 SAMPLE_HZ = 20.0
@@ -31,7 +31,12 @@ BACKEND_SERIES = {
     "kvgate_sim_lag_seconds_total",
     "kvgate_sim_clock_seconds",
 }
-GATEWAY_SERIES = {"kvgate_queue_depth"}
+GATEWAY_SERIES = {
+    "kvgate_queue_depth",
+    "kvgate_output_estimate_quantile",
+    "kvgate_requests_outran_estimate_total",
+}
+EXPECTED_HEADER = "x-kvgate-expected-output-tokens"
 WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit", "sed", "tempor")
 
 
@@ -83,10 +88,14 @@ async def send_one(
     clock: Clock,
     api_keys: dict[str, str],
     body: bytes | None = None,
+    attempt: int = 0,
 ) -> RequestRecord:
-    rec = RequestRecord(rid, a.cls, a.tenant, clock.now(), a.prompt_tokens, a.max_tokens)
+    rec = RequestRecord(rid, a.cls, a.tenant, clock.now(), a.prompt_tokens, a.max_tokens, attempt=attempt)
     path = "/v1/chat/completions" if a.api == "chat" else "/v1/completions"
     headers = {"Authorization": f"Bearer {api_keys[a.tenant]}"} if a.tenant in api_keys else {}
+    if a.max_wait_s is not None:  # the budget in the gateway's (real) seconds
+        rec.max_wait_s = a.max_wait_s
+        headers["x-kvgate-max-wait-s"] = f"{a.max_wait_s * clock.scale:g}"
     start = rec.sent
     try:
         async with session.post(
@@ -96,17 +105,63 @@ async def send_one(
         ) as resp:
             rec.status = resp.status
             rec.retry_after = resp.headers.get("Retry-After")
+            expected = resp.headers.get(EXPECTED_HEADER)
+            rec.expected_output = int(expected) if expected is not None else None
             if resp.status != 200:
                 body = await resp.read()
                 rec.error_code = _error_code(body)
+                rec.queue_eta_s, rec.waited_s = _refusal_times(body, clock.scale)
             else:
                 await _read_stream(resp, rec, clock, start)
     except (TimeoutError, aiohttp.ClientError) as exc:
         rec.error_code = rec.error_code or type(exc).__name__
         if rec.status == 200:
             rec.stream_error = True
-    rec.latency = clock.now() - start
+    rec.finished = clock.now()
+    rec.latency = rec.finished - start
     return rec
+
+
+async def send_with_retry(
+    session: aiohttp.ClientSession,
+    url: str,
+    a: Arrival,
+    rid: int,
+    model: str,
+    clock: Clock,
+    api_keys: dict[str, str],
+    body: bytes | None = None,
+) -> list[RequestRecord]:
+    """One planned request, and for a ``retry_once`` class its one retry after the Retry-After of a 429/503."""
+    first = await send_one(session, url, a, rid, model, clock, api_keys, body)
+    if not (a.retry_once and first.status in RETRYABLE and first.retry_after is not None):
+        return [first]
+    await asyncio.sleep(retry_after_s(first.retry_after))  # real seconds, as the gateway means them
+    return [first, await send_one(session, url, a, rid, model, clock, api_keys, body, attempt=1)]
+
+
+def retry_after_s(value: str) -> float:
+    """Retry-After as seconds (the gateway sends delta-seconds; an HTTP date is not expected here)."""
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return 1.0
+
+
+def _refusal_times(body: bytes, time_scale: float) -> tuple[float | None, float | None]:
+    """``queue_eta_s`` and ``waited_s`` of a refusal body, in simulated seconds (None where absent)."""
+    try:
+        err = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None, None
+    if not isinstance(err, dict):
+        return None, None
+
+    def sim(key: str) -> float | None:
+        v = err.get(key)
+        return float(v) / time_scale if isinstance(v, (int, float)) else None
+
+    return sim("queue_eta_s"), sim("waited_s")
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, clock: Clock, start: float) -> None:
@@ -178,13 +233,15 @@ class MetricsSampler:
         backend, *gateway = await asyncio.to_thread(self._sampler.stop)
         sim_time = self._clock.at
         samples = [_backend_sample(sim_time(t), v) for t, v in backend]
-        queue = [(sim_time(t), v["kvgate_queue_depth"]) for t, v in (gateway[0] if gateway else []) if v is not None]
-        gi, latest = 0, math.nan
+        queue = [(sim_time(t), v) for t, v in (gateway[0] if gateway else []) if v is not None]
+        gi, latest = 0, dict.fromkeys(GATEWAY_SERIES, math.nan)
         for s in samples:
             while gi < len(queue) and queue[gi][0] <= s.t:
                 latest = queue[gi][1]
                 gi += 1
-            s.gateway_queue = latest
+            s.gateway_queue = latest["kvgate_queue_depth"]
+            s.estimate_quantile = latest["kvgate_output_estimate_quantile"]
+            s.outran = latest["kvgate_requests_outran_estimate_total"]
         return samples
 
 
@@ -211,11 +268,12 @@ async def run(
         await asyncio.sleep(0.2)  # a few idle samples first
         clock_offset = clock.now()
 
-        async def planned(i: int, a: Arrival) -> RequestRecord:
+        async def planned(i: int, a: Arrival) -> list[RequestRecord]:
             await clock.sleep_until(clock_offset + a.at)
-            return await send_one(session, target, a, i, model, clock, api_keys or {}, bodies[i])
+            return await send_with_retry(session, target, a, i, model, clock, api_keys or {}, bodies[i])
 
-        records = list(await asyncio.gather(*(planned(i, a) for i, a in enumerate(arrivals))))
+        attempts = await asyncio.gather(*(planned(i, a) for i, a in enumerate(arrivals)))
+        records = [rec for recs in attempts for rec in recs]
         await asyncio.sleep(0.3)
         samples = await sampler.stop()
     return records, samples
@@ -264,10 +322,14 @@ def save(out_dir: Path, records: Sequence[RequestRecord], samples: Sequence[Samp
         for r in records:
             f.write(json.dumps(asdict(r)) + "\n")
     with open(out_dir / "samples.csv", "w") as f:
-        f.write("t,up,kv,running,waiting,preemptions,generation_tokens,oom_total,gateway_queue,lag,clock\n")
+        f.write(
+            "t,up,kv,running,waiting,preemptions,generation_tokens,oom_total,gateway_queue,lag,clock,"
+            "estimate_quantile,outran\n"
+        )
         for s in samples:
             f.write(
                 f"{s.t:.4f},{int(s.up)},{s.kv},{s.running},{s.waiting},{s.preemptions},"
-                f"{s.generation_tokens},{s.oom_total},{s.gateway_queue},{s.lag},{s.clock}\n"
+                f"{s.generation_tokens},{s.oom_total},{s.gateway_queue},{s.lag},{s.clock},"
+                f"{s.estimate_quantile},{s.outran}\n"
             )
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")

@@ -7,6 +7,10 @@ A class says separately what the client sends and what the model does: ``max_tok
 (absent: the client sends none, and the cap is the context's rest), ``output_tokens`` the distribution of
 natural lengths (where the model emits EOS; ``gateway.sim.lengths`` syntax). Without ``output_tokens`` the
 client sends ``ignore_eos`` and every request runs to its cap, as before.
+
+A class may also say how its clients wait: ``max_wait_s`` (simulated seconds) is sent as the
+``x-kvgate-max-wait-s`` header, and ``retry: after-once`` makes a client refused with 429/503 and a
+Retry-After come back once, that many seconds later (the retry is a record of its own, ``attempt`` 1).
 """
 
 from __future__ import annotations
@@ -58,6 +62,25 @@ class TrafficClass:
     start: float = 0.0
     stop: float = 0.0
     output_tokens: OutputLengths | None = None  # natural lengths; None: ignore_eos, run to the cap
+    max_wait_s: float | None = None  # sent as x-kvgate-max-wait-s (simulated seconds); None: no header
+    retry_once: bool = False  # refused with 429/503 + Retry-After: send again once, after it
+
+    @property
+    def weight(self) -> float:
+        """Requests this class sends per simulated second over its window (a burst: its count)."""
+        return self.rate if self.rate > 0 else float(self.burst_count)
+
+
+RETRY_POLICIES = {"none": False, "after-once": True}
+
+
+def parse_retry(raw: Any) -> bool:
+    """``retry:`` of a class: absent or ``none``, or ``after-once`` (follow one Retry-After, then give up)."""
+    if raw is None:
+        return False
+    if raw not in RETRY_POLICIES:
+        raise ValueError(f"retry: {raw!r} is not one of {', '.join(RETRY_POLICIES)}")
+    return RETRY_POLICIES[raw]
 
 
 @dataclass(frozen=True)
@@ -78,6 +101,8 @@ class Arrival:
     output_tokens: int | None = None  # natural length, sent as sim_output_tokens; None: ignore_eos
     cap: int | None = None  # the body's max_tokens; None: ``max_tokens`` itself (or none when ``uncapped``)
     uncapped: bool = False  # the body has no max_tokens
+    max_wait_s: float | None = None  # the client's wait budget (simulated s), sent as x-kvgate-max-wait-s
+    retry_once: bool = False
 
     @property
     def sent_max_tokens(self) -> int | None:
@@ -145,7 +170,37 @@ class Scenario:
                 raise ValueError(f"class {c.name} sends no max_tokens but the scenario has no max_model_len")
             limit = self.max_model_len - prompt
         owed = limit if natural is None else min(natural, limit)
-        return Arrival(t, c.name, prompt, owed, c.api, c.tenant, natural, cap, uncapped=cap is None)
+        return Arrival(
+            t,
+            c.name,
+            prompt,
+            owed,
+            c.api,
+            c.tenant,
+            natural,
+            cap,
+            uncapped=cap is None,
+            max_wait_s=c.max_wait_s,
+            retry_once=c.retry_once,
+        )
+
+    def draw(self, c: TrafficClass, rng: random.Random, natural_rng: random.Random) -> Arrival:
+        """One request of class ``c`` at time 0, sized like the plan's (for the closed-loop sweeps)."""
+        prompt = c.prompt_tokens.draw(rng)
+        cap = c.max_tokens.draw(rng) if c.max_tokens is not None else None
+        natural = c.output_tokens.draw(natural_rng) if c.output_tokens is not None else None
+        return self._arrival(0.0, c, prompt, cap, natural)
+
+    def draw_mixed(self, rng: random.Random, natural_rng: random.Random) -> Arrival:
+        """One request of the scenario's mix: a class picked in proportion to its rate (or burst count)."""
+        weights = [c.weight for c in self.classes]
+        c = rng.choices(self.classes, weights=weights)[0] if sum(weights) > 0 else self.classes[0]
+        return self.draw(c, rng, natural_rng)
+
+    @property
+    def natural(self) -> bool:
+        """Some class has natural output lengths (the model stops before the cap)."""
+        return any(c.output_tokens is not None for c in self.classes)
 
 
 def load(path: str | Path) -> Scenario:
@@ -167,6 +222,8 @@ def load(path: str | Path) -> Scenario:
                 rate=float(arrival.get("rate", 0.0)) if arrival.get("kind") == "poisson" else 0.0,
                 start=float(arrival.get("start", 0.0)),
                 stop=float(arrival.get("stop", 0.0)),
+                max_wait_s=None if c.get("max_wait_s") is None else float(c["max_wait_s"]),
+                retry_once=parse_retry(c.get("retry")),
             )
         )
     sim = raw.get("sim", {})

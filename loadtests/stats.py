@@ -30,6 +30,12 @@ class RequestRecord:
     error_code: str | None = None  # error.code (or type) from the body or the SSE error event
     stream_error: bool = False  # HTTP 200 whose stream carried an error event
     retry_after: str | None = None
+    attempt: int = 0  # 1: the retry of request ``rid`` after its Retry-After
+    max_wait_s: float | None = None  # the wait budget the client sent (simulated s)
+    queue_eta_s: float | None = None  # a refusal body's queue_eta_s (the gateway's predicted wait)
+    waited_s: float | None = None  # a refusal body's waited_s (queued this long before it was refused)
+    expected_output: int | None = None  # x-kvgate-expected-output-tokens: output kvgate reserved at admission
+    finished: float | None = None  # simulated seconds from run start when the response ended
 
     @property
     def ok(self) -> bool:
@@ -60,6 +66,8 @@ class Sample:
     gateway_queue: float = math.nan
     lag: float = math.nan  # the simulator's cumulative real-time lag (kvgate_sim_lag_seconds_total)
     clock: float = math.nan  # the simulator's virtual clock (kvgate_sim_clock_seconds)
+    estimate_quantile: float = math.nan  # kvgate_output_estimate_quantile (gateway)
+    outran: float = math.nan  # kvgate_requests_outran_estimate_total (gateway)
 
 
 def to_engine_time(
@@ -96,6 +104,7 @@ def to_engine_time(
                 sent=sent,
                 ttft=None if r.ttft is None else f(r.sent + r.ttft) - sent,
                 latency=None if r.latency is None else f(r.sent + r.latency) - sent,
+                finished=None if r.finished is None else f(r.finished),
             )
         )
     return new_records, new_samples

@@ -6,7 +6,9 @@ Closed loop at each concurrency on a fresh simulator; the best stable level is t
 Method (documented in loadtests/README.md):
 
 * every request's prompt and output length are drawn from the scenario's largest traffic class (the burst's
-  own size distribution, seeded), and client ``i`` starts at ``stagger_s * i / c``: with one fixed shape
+  own size distribution, seeded), or, when the scenario has natural output lengths, from its whole mix
+  (classes in proportion to their rates, each request running to its natural length: the offered work),
+  and client ``i`` starts at ``stagger_s * i / c``: with one fixed shape
   and simultaneous starts the clients prefill, decode and finish in lockstep, and a window then holds a
   fractional number of those cycles, which made the old sweep swing by +-15% between neighbouring levels;
 * throughput is the engine's generation-token counter over ``[first send + warmup_s, last send]`` in
@@ -59,7 +61,11 @@ def sweep(scenario: Scenario, out_dir: Path) -> dict[str, Any]:
         for rep in range(cfg.repeats):
             rng = random.Random(f"{scenario.seed}/{c}/{rep}")
 
-            def draw(_n: int, rng: random.Random = rng) -> Arrival:
+            natural_rng = random.Random(f"{scenario.seed}/{c}/{rep}/output_tokens")
+
+            def draw(_n: int, rng: random.Random = rng, natural_rng: random.Random = natural_rng) -> Arrival:
+                if scenario.natural:  # the offered work is the mix's natural lengths
+                    return scenario.draw_mixed(rng, natural_rng)
                 return Arrival(0.0, cls.name, cls.prompt_tokens.draw(rng), cls.max_tokens.draw(rng), cls.api, None)
 
             args = [*scenario.sim_args, "--time-scale", str(scenario.time_scale), "--oom-mode", "restart"]
@@ -110,7 +116,13 @@ def sweep(scenario: Scenario, out_dir: Path) -> dict[str, Any]:
         row["stable"] = row["preemptions"] == 0 and row["oom_crashes"] == 0
         # The same closed loop through the engine in-process: no HTTP, no machine load, deterministic.
         ip = closed_loop_capacity(
-            scenario, c, cfg.duration_s, cfg.warmup_s, stagger_s=cfg.stagger_s, largest_class=True
+            scenario,
+            c,
+            cfg.duration_s,
+            cfg.warmup_s,
+            stagger_s=cfg.stagger_s,
+            largest_class=True,
+            mixed=scenario.natural,
         )
         row["in_process"] = ip
         rows.append(row)
@@ -127,7 +139,8 @@ def sweep(scenario: Scenario, out_dir: Path) -> dict[str, Any]:
     result = {
         "shape": {
             "prompt_tokens": [cls.prompt_tokens.min, cls.prompt_tokens.max],
-            "max_tokens": [cls.max_tokens.min, cls.max_tokens.max],
+            "max_tokens": None if cls.max_tokens is None else [cls.max_tokens.min, cls.max_tokens.max],
+            "mixed_natural": scenario.natural,
         },
         "method": {
             "duration_s": cfg.duration_s,
