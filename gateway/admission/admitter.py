@@ -24,8 +24,6 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError, queue_full, queue_timeout, wait_predicted
 from gateway.tokens.cost import RequestCost
 
-_CLASS_NAMES = PRIORITIES
-
 
 @dataclass(slots=True)
 class Admission:
@@ -122,7 +120,7 @@ class Admitter:
         for ticket in tickets:
             _, future, timer = self._waiters.pop(ticket.id)
             timer.cancel()
-            self.metrics.shed.labels(_CLASS_NAMES[ticket.priority]).inc()
+            self.metrics.shed.labels(PRIORITIES[ticket.priority]).inc()
             if not future.done():
                 position = len(self.controller.queue)
                 eta = self.controller.eta(position, now)
@@ -151,7 +149,7 @@ class Admitter:
         self.metrics.projected_at_admission.observe(reservation.projected_usage)
         self.metrics.admitted.inc()
         self.metrics.queue_wait.observe(waited_s)
-        name = _CLASS_NAMES[qclass.priority]
+        name = PRIORITIES[qclass.priority]
         self.metrics.class_queue_wait.labels(name).observe(waited_s)
         self.metrics.tenant_admitted_tokens.labels(reservation.tenant, name).inc(reservation.cost.total_tokens)
 
