@@ -130,6 +130,13 @@ class Caution:
                 self._calm_since = now
 
 
+def teaches(res: Reservation) -> bool:
+    """Whether where this request stops says anything about where outputs stop on their own: not a batch or
+    n > 1 (the mean hides the longest sequence), not one told to run to its budget (ignore_eos)."""
+    full = res.full
+    return full.max_output > 0 and full.num_sequences == 1 and full.min_output < full.max_output
+
+
 class AdmissionController:
     def __init__(self, config: AdmissionConfig, geometry: KvGeometry | None = None) -> None:
         self.config = config
@@ -165,6 +172,9 @@ class AdmissionController:
         overshoot = sample.usage > (1 + self.config.high_watermark) / 2
         ours = len(self.ledger) > 0
         self.caution.observe(sample.taken_at, ours and (preempted or overshoot))
+        self.lengths.set_in_flight(
+            (res.key, res.generated) for res in self.ledger.live() if res.first_token_at is not None and teaches(res)
+        )
 
     def is_stale(self, now: float) -> bool:
         return self.sample is None or now - self.sample.taken_at > self.config.stale_after_s
@@ -315,8 +325,7 @@ class AdmissionController:
         ran into its own budget says nothing of where it would have stopped (a completion's default of 16 would
         teach every chat that outputs are 16 tokens long), and neither does a batch, whose mean hides its
         longest sequence: neither is learned."""
-        full = res.full
-        if full.max_output > 0 and full.num_sequences == 1 and completion_tokens < full.max_output:
+        if teaches(res) and completion_tokens < res.full.max_output:
             self.lengths.observe(res.key, completion_tokens)
 
     def release(self, res: Reservation, now: float) -> bool:

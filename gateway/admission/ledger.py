@@ -12,6 +12,7 @@ counters let tests check that nothing is left behind.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gateway.tokens.cost import RequestCost
@@ -56,6 +57,10 @@ class Ledger:
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def live(self) -> Iterator[Reservation]:
+        """The reservations not yet released."""
+        return iter(self._live.values())
 
     def reserve(
         self,

@@ -11,6 +11,15 @@ tokens it has already produced: the quantile of the lengths that went at least t
 Each key keeps its last ``window`` observations in a sorted list, so a quantile is a bisect and a lookup and the
 distribution follows a shift in the traffic within one window. Keys come from requests the engine served, and
 their number is bounded (least recently observed dropped first).
+
+Finished requests alone are a biased sample: short outputs finish first, so right after a cold start or a
+shift, and whenever the long tail takes about as long as the window spans, the window holds the short ones
+and the long ones are still running (measured in the simulator: the learned 0.7 quantile sat at the
+true 0.55, and half the requests outran their reservation). So the requests still generating count too, as
+right-censored observations ("longer than what it has produced so far"): :meth:`OutputLengths.set_in_flight`
+hands them in, once per engine sample, and the quantile is then the Kaplan-Meier estimate over both. Those
+answers are cached until the next :meth:`set_in_flight` (a fraction of a second), so an admission is still a
+dictionary lookup.
 """
 
 from __future__ import annotations
@@ -18,8 +27,10 @@ from __future__ import annotations
 import bisect
 import math
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 
 Key = tuple[str, ...]
+MAX_CACHED = 4096  # cached censored quantiles between two samples (outran requests ask with their own ``above``)
 
 
 class _Window:
@@ -48,6 +59,27 @@ class _Window:
             return None
         return self._sorted[start + min(n - 1, math.ceil(q * n) - 1 if q > 0 else 0)]
 
+    def censored_quantile(self, q: float, above: int, min_samples: int, running: list[int]) -> int | None:
+        """The Kaplan-Meier ``q`` quantile of the lengths greater than ``above``, when ``running`` (sorted) are
+        the tokens produced so far by requests that have not finished: each is known only to end past that.
+        None when fewer than ``min_samples`` finished past ``above``, or when so many are still running that
+        the survival never falls to ``1 - q`` (the quantile lies beyond anything seen end)."""
+        finished = self._sorted
+        i = bisect.bisect_right(finished, above)
+        if len(finished) - i < min_samples:
+            return None
+        survival, target = 1.0, 1.0 - q + 1e-12
+        while i < len(finished):
+            t = finished[i]
+            ends_here = bisect.bisect_right(finished, t, i) - i
+            # at risk of ending at t: finished at t or later, or running with at least t - 1 produced
+            at_risk = len(finished) - i + len(running) - bisect.bisect_left(running, t - 1)
+            survival *= 1.0 - ends_here / at_risk
+            if survival <= target:
+                return t
+            i += ends_here
+        return None
+
 
 class OutputLengths:
     def __init__(self, *, window: int = 512, min_samples: int = 32, max_keys: int = 1024) -> None:
@@ -55,6 +87,20 @@ class OutputLengths:
         self.min_samples = min_samples
         self.max_keys = max_keys
         self._windows: OrderedDict[Key, _Window] = OrderedDict()
+        self._running: dict[Key, list[int]] = {}  # per key (and every coarser one): tokens so far, sorted
+        self._cached: dict[tuple[Key, float, int], int | None] = {}
+
+    def set_in_flight(self, running: Iterable[tuple[Key, int]]) -> None:
+        """The requests still generating, as (key, tokens produced so far per sequence): they replace the
+        previous set, and the quantiles are worked out afresh."""
+        by_key: dict[Key, list[int]] = {}
+        for key, produced in running:
+            for depth in range(len(key) + 1):
+                by_key.setdefault(key[:depth], []).append(produced)
+        for values in by_key.values():
+            values.sort()
+        self._running = by_key
+        self._cached.clear()
 
     def observe(self, key: Key, tokens: int) -> None:
         """A finished request produced ``tokens`` output tokens per sequence; every coarser key learns it too."""
@@ -78,12 +124,24 @@ class OutputLengths:
     def quantile(self, key: Key, q: float, above: int = 0) -> int | None:
         """Output tokens per sequence at quantile ``q`` for requests like this one (that already produced
         ``above``), from the most specific key that knows enough; None when none does."""
+        min_samples = self.min_samples if above == 0 else max(4, self.min_samples // 4)
         for depth in range(len(key), -1, -1):
-            window = self._windows.get(key[:depth])
-            if window is not None:
-                value = window.quantile(q, above, self.min_samples if above == 0 else max(4, self.min_samples // 4))
-                if value is not None:
-                    return value
+            sub = key[:depth]
+            window = self._windows.get(sub)
+            if window is None:
+                continue
+            running = self._running.get(sub)
+            if running is None:
+                value = window.quantile(q, above, min_samples)
+            elif (sub, q, above) in self._cached:
+                value = self._cached[sub, q, above]
+            else:
+                value = window.censored_quantile(q, above, min_samples, running)
+                if len(self._cached) >= MAX_CACHED:
+                    self._cached.clear()
+                self._cached[sub, q, above] = value
+            if value is not None:
+                return value
         return None
 
     def samples(self, key: Key) -> int:

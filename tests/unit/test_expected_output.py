@@ -166,3 +166,31 @@ def test_what_is_learned_is_where_single_outputs_stopped_on_their_own() -> None:
     c.learn(c.ledger.reserve(chat(), "t", 0.0, key=KEY), 300)
     assert c.lengths.quantile(KEY, 0.5) == 300
     assert c.expected_cost(chat(n=2), KEY).max_output == 3996  # a batch keeps its whole budget
+
+
+def test_requests_still_generating_raise_the_estimate_from_the_next_sample() -> None:
+    """Eight short answers finished, eight long ones are still streaming past 500 tokens: from the next sample
+    on, a new request reserves as if the long ones counted (they will end past 500), not at the short ones'."""
+    c = controller()
+    running = []
+    for _ in range(8):
+        done = c.submit(chat(), "t", 0.0, key=KEY)
+        assert isinstance(done, Admitted)
+        c.learn(done.reservation, 100)
+        c.release(done.reservation, 0.0)
+    assert c.expected_cost(chat(), KEY).max_output == 100
+    for _ in range(8):
+        long = c.submit(chat(), "t", 0.0, key=KEY)
+        assert isinstance(long, Admitted)
+        c.progress(long.reservation, 500, 1.0)
+        running.append(long.reservation)
+    assert c.expected_cost(chat(), KEY).max_output == 100  # not until the engine is sampled
+    c.begin_sample()
+    c.apply_sample(UsageSample(0.1, 1.0))
+    assert c.expected_cost(chat(), KEY).max_output == 3996  # half are past 500: q 0.7 is beyond what ended
+    for res in running:
+        c.learn(res, 600)
+        c.release(res, 2.0)
+    c.begin_sample()
+    c.apply_sample(UsageSample(0.0, 2.0))
+    assert c.expected_cost(chat(), KEY).max_output == 600

@@ -69,3 +69,74 @@ def test_keys_are_bounded_and_the_root_is_kept() -> None:
     for i in range(100):
         est.observe((f"model-{i}", "chat", "t"), i)
     assert len(est._windows) <= 10 and est.samples(()) == 100
+
+
+def _snapshot_of_a_steady_flow(seed: int, at: int) -> tuple[list[int], list[int], list[int]]:
+    """One request per step, each producing one token per step until its lognormal length (median 250):
+    at step ``at``, the lengths of those that finished, the tokens produced so far by those still running,
+    and every length drawn (the truth)."""
+    rng = random.Random(seed)
+    finished, running, drawn = [], [], []
+    for arrival in range(at):
+        length = max(1, round(rng.lognormvariate(5.52, 0.9)))
+        drawn.append(length)
+        if arrival + length <= at:
+            finished.append(length)
+        else:
+            running.append(at - arrival)
+    return finished, running, drawn
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_requests_still_running_correct_the_bias_of_finished_ones(seed: int) -> None:
+    """Short outputs finish first: after 1,500 steps of a steady flow whose tail runs for thousands of steps,
+    the finished requests alone put the 0.7 quantile well below the truth; counted as censored observations,
+    the requests still running bring the estimate back to within 10% of it."""
+    finished, running, drawn = _snapshot_of_a_steady_flow(seed, at=1500)
+    est = OutputLengths(window=4096, min_samples=32)
+    for n in finished:
+        est.observe(KEY, n)
+    truth = sorted(drawn)[math.ceil(0.7 * len(drawn)) - 1]
+    naive = est.quantile(KEY, 0.7)
+    assert naive is not None and naive < 0.9 * truth  # the bias this is about
+    est.set_in_flight((KEY, produced) for produced in running)
+    corrected = est.quantile(KEY, 0.7)
+    assert corrected is not None and abs(corrected - truth) <= 0.1 * truth, (naive, corrected, truth)
+    est.set_in_flight(())
+    assert est.quantile(KEY, 0.7) == naive  # nothing running: the finished ones alone again
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 3000), min_size=1, max_size=300),
+    st.lists(st.integers(0, 3000), max_size=300),
+    st.floats(0.05, 0.99),
+    st.integers(0, 2000),
+)
+def test_running_requests_only_ever_raise_the_estimate(
+    finished: list[int], running: list[int], q: float, above: int
+) -> None:
+    """A running request is one more that went at least that far: counting it can only move a quantile up
+    (or out of reach, None: reserve more), never down; and its answers come from lengths really seen."""
+    est = OutputLengths(min_samples=1, window=1024)
+    for n in finished:
+        est.observe(KEY, n)
+    plain = est.quantile(KEY, q, above=above)
+    est.set_in_flight((KEY, r) for r in running)
+    censored = est.quantile(KEY, q, above=above)
+    if plain is None:
+        assert censored is None
+    elif censored is not None:
+        assert plain <= censored and censored in finished and censored > above
+    assert est.quantile(KEY, q, above=above) == censored  # the cached answer is the same
+
+
+def test_running_requests_count_for_every_coarser_key_and_are_replaced_each_sample() -> None:
+    est = OutputLengths(min_samples=4)
+    for n in (10, 20, 30, 40):
+        est.observe(("m", "chat", "a"), n)
+    assert est.quantile(("m", "chat", "b"), 0.5) == 20  # via (m, chat)
+    est.set_in_flight([(("m", "chat", "b"), 35)] * 4)  # four of another tenant are past 35 already
+    assert est.quantile(("m", "chat", "b"), 0.5) == 40
+    est.set_in_flight([])
+    assert est.quantile(("m", "chat", "b"), 0.5) == 20
