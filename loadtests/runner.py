@@ -93,6 +93,7 @@ async def send_one(
     rec = RequestRecord(rid, a.cls, a.tenant, clock.now(), a.prompt_tokens, a.max_tokens, attempt=attempt)
     path = "/v1/chat/completions" if a.api == "chat" else "/v1/completions"
     headers = {"Authorization": f"Bearer {api_keys[a.tenant]}"} if a.tenant in api_keys else {}
+    headers["x-stainless-retry-count"] = str(attempt)  # as the OpenAI SDKs number their attempts
     if a.max_wait_s is not None:  # the budget in the gateway's (real) seconds
         rec.max_wait_s = a.max_wait_s
         headers["x-kvgate-max-wait-s"] = f"{a.max_wait_s * clock.scale:g}"
@@ -110,7 +111,7 @@ async def send_one(
             if resp.status != 200:
                 body = await resp.read()
                 rec.error_code = _error_code(body)
-                rec.queue_eta_s, rec.waited_s = _refusal_times(body, clock.scale)
+                rec.queue_eta_s, rec.waited_s, rec.estimated_wait_s = _refusal_times(body, clock.scale)
             else:
                 await _read_stream(resp, rec, clock, start)
     except (TimeoutError, aiohttp.ClientError) as exc:
@@ -148,20 +149,21 @@ def retry_after_s(value: str) -> float:
         return 1.0
 
 
-def _refusal_times(body: bytes, time_scale: float) -> tuple[float | None, float | None]:
-    """``queue_eta_s`` and ``waited_s`` of a refusal body, in simulated seconds (None where absent)."""
+def _refusal_times(body: bytes, time_scale: float) -> tuple[float | None, float | None, float | None]:
+    """``queue_eta_s``, ``waited_s`` and ``estimated_wait_s`` of a refusal body, in simulated seconds (None
+    where absent)."""
     try:
         err = orjson.loads(body).get("error")
     except (orjson.JSONDecodeError, AttributeError):
-        return None, None
+        return None, None, None
     if not isinstance(err, dict):
-        return None, None
+        return None, None, None
 
     def sim(key: str) -> float | None:
         v = err.get(key)
         return float(v) / time_scale if isinstance(v, (int, float)) else None
 
-    return sim("queue_eta_s"), sim("waited_s")
+    return sim("queue_eta_s"), sim("waited_s"), sim("estimated_wait_s")
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, rec: RequestRecord, clock: Clock, start: float) -> None:

@@ -34,6 +34,7 @@ class RequestRecord:
     max_wait_s: float | None = None  # the wait budget the client sent (simulated s)
     queue_eta_s: float | None = None  # a refusal body's queue_eta_s (the gateway's predicted wait)
     waited_s: float | None = None  # a refusal body's waited_s (queued this long before it was refused)
+    estimated_wait_s: float | None = None  # a refusal body's estimated_wait_s (the wait it was told on arrival)
     expected_output: int | None = None  # x-kvgate-expected-output-tokens: output kvgate reserved at admission
     finished: float | None = None  # simulated seconds from run start when the response ended
 

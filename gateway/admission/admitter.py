@@ -66,13 +66,14 @@ class Admitter:
         qclass: QueueClass | None = None,
         body_bytes: int = 0,
         key: tuple[str, ...] = (),
+        retry: bool = False,
     ) -> Admission:
         """Admit now, or wait in the queue until admitted (raises 429/503 when refused or out of time).
 
         The caller owns the returned reservation and must :meth:`release` it."""
         qclass = qclass or QueueClass()
         now = self.clock()
-        decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass, body_bytes, key)
+        decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass, body_bytes, key, retry)
         if isinstance(decision, Admitted):
             self._on_admitted(0.0, decision.reservation, qclass)
             return Admission(decision.reservation, 0.0, 0)
@@ -190,7 +191,11 @@ class Admitter:
                     queue_timeout(
                         self.controller.retry_after(position, now),
                         now - ticket.enqueued_at,
-                        {"queue_position": position, "queue_eta_s": None if eta is None else round(eta, 3)},
+                        {
+                            "queue_position": position,
+                            "queue_eta_s": None if eta is None else round(eta, 3),
+                            "estimated_wait_s": _rounded(ticket.eta_s),
+                        },
                     )
                 )
 
@@ -214,6 +219,7 @@ class Admitter:
                 extra: dict[str, object] = {
                     "queue_eta_s": round(predicted, 3),
                     "waited_s": round(now - ticket.enqueued_at, 3),
+                    "estimated_wait_s": _rounded(ticket.eta_s),  # what it was told to expect on arrival
                 }
                 future.set_exception(wait_predicted(min(max(predicted, 1.0), 600.0), extra))
         self.pump()  # a refused ticket at the head may have held back one that fits
@@ -230,3 +236,7 @@ class Admitter:
             self.controller.cancel(ticket)
             if not future.done():
                 future.set_exception(error(self.controller.retry_after(1, now)))
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)

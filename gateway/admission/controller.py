@@ -238,9 +238,11 @@ class AdmissionController:
         qclass: QueueClass | None = None,
         body_bytes: int = 0,
         key: tuple[str, ...] = (),
+        retry: bool = False,
     ) -> Decision:
         """Admit now if nothing of this class or a higher one waits and it fits; otherwise queue (possibly
-        shedding a lower-class ticket), or reject when the queue (or the tenant's share of it) is full.
+        shedding a lower-class ticket), or reject when the queue (or the tenant's share of it) is full. A
+        ``retry`` (the client came back after a refusal) queues ahead of its tenant's first attempts.
 
         A queued ticket may be at the head already: the caller pumps right after."""
         qclass = qclass or QueueClass()
@@ -251,7 +253,7 @@ class AdmissionController:
         ):
             return Admitted(self._reserve(expected, cost, key, tenant, now, usage))
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
-        ahead = self.queue.prospective_position(tenant, qclass.priority)
+        ahead = self.queue.prospective_position(tenant, qclass.priority, retry)
         predicted = self.predicted_wait(ahead, now)
         if predicted is not None and predicted > wait:
             # it would wait its whole budget and then be refused: refuse now, and say when the line will be gone
@@ -265,13 +267,15 @@ class AdmissionController:
             body_bytes=body_bytes,
             full=cost,
             key=key,
+            retry=retry,
         )
         pushed = self.queue.push(ticket)
         if isinstance(pushed, Refused):
             position = len(self.queue) + 1
             return Rejected(pushed.reason, self.retry_after(position, now), position)
         position = self.queue.position(ticket)
-        return Queued(ticket, position, self.eta(position, now), pushed.shed)
+        ticket.eta_s = self.eta(position, now)
+        return Queued(ticket, position, ticket.eta_s, pushed.shed)
 
     def pump(self, now: float) -> list[tuple[Ticket, Reservation]]:
         """Admit from the head of the queue (highest class, fairest tenant) while the head fits."""

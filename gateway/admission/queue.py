@@ -7,7 +7,12 @@
   weight``; the ticket with the smallest start tag goes next and ``V`` moves to it. So while two tenants
   both have tickets waiting, each is served tokens in proportion to its weight however fast it sends, and a
   tenant that was idle gets no credit for the idle time.
-* FIFO inside a tenant (its tags only grow).
+* FIFO inside a tenant (its tags only grow), except that a retry (a request that was refused and came back
+  after its Retry-After, as the OpenAI SDKs say with ``x-stainless-retry-count``) goes ahead of the tenant's
+  first attempts in its class: it has waited once already, and a Retry-After is a promise only if the line it
+  comes back to does not start behind everyone who arrived meanwhile. It takes the first attempt's tags and
+  pushes the tenant's later tickets back by its own share, so the tenant's share of the class is unchanged:
+  a client that claims to retry can only overtake its own tenant.
 * Head-of-line: the next ticket is served when *it* fits; smaller ones do not overtake it, which would starve
   long prompts under sustained load.
 * When the queue is full, an arrival may push out a ticket of a strictly lower class: the newest ticket of the
@@ -53,6 +58,8 @@ class Ticket:
     body_bytes: int = 0  # the request body it keeps while it waits
     full: RequestCost | None = None  # the request's whole budget, when ``cost`` is only what it is expected to use
     key: tuple[str, ...] = ()  # (model, endpoint, tenant): whose output lengths it is estimated from
+    retry: bool = False  # came back after a refusal: queued ahead of its tenant's first attempts
+    eta_s: float | None = None  # the wait it was told to expect on arrival (None: the finish rate was unknown)
     start: float = 0.0
     finish: float = 0.0
 
@@ -87,12 +94,30 @@ class _Class:
         self.size = 0
 
     def push(self, ticket: Ticket) -> None:
-        start = max(self.vtime, self.last_finish.get(ticket.tenant, 0.0))
-        ticket.start = start
-        ticket.finish = start + ticket.tokens / ticket.qclass.weight
-        self.last_finish[ticket.tenant] = ticket.finish
-        self.fifos.setdefault(ticket.tenant, deque()).append(ticket)
+        fifo = self.fifos.setdefault(ticket.tenant, deque())
         self.size += 1
+        share = ticket.tokens / ticket.qclass.weight
+        index = self.first_attempt(ticket.tenant) if ticket.retry else None
+        if index is None:
+            ticket.start = max(self.vtime, self.last_finish.get(ticket.tenant, 0.0))
+            ticket.finish = ticket.start + share
+            self.last_finish[ticket.tenant] = ticket.finish
+            fifo.append(ticket)
+            return
+        ticket.start = fifo[index].start
+        ticket.finish = ticket.start + share
+        for t in list(fifo)[index:]:
+            t.start += share
+            t.finish += share
+        self.last_finish[ticket.tenant] = self.last_finish.get(ticket.tenant, 0.0) + share
+        fifo.insert(index, ticket)
+
+    def first_attempt(self, tenant: str) -> int | None:
+        """Where in ``tenant``'s line its first queued first attempt stands (None: it has none queued)."""
+        for index, t in enumerate(self.fifos.get(tenant, ())):
+            if not t.retry:
+                return index
+        return None
 
     def head(self) -> Ticket | None:
         best: Ticket | None = None
@@ -234,11 +259,20 @@ class AdmissionQueue:
         key = (ticket.priority, ticket.start, ticket.id)
         return 1 + sum(1 for t in self._by_id.values() if (t.priority, t.start, t.id) < key)
 
-    def prospective_position(self, tenant: str, priority: int) -> int:
+    def prospective_position(self, tenant: str, priority: int, retry: bool = False) -> int:
         """The place in line a new ticket of ``tenant`` in class ``priority`` would take, without queueing it."""
         cls = self._classes[priority]
-        start = max(cls.vtime, cls.last_finish.get(tenant, 0.0))
-        return 1 + sum(1 for t in self._by_id.values() if (t.priority, t.start) <= (priority, start))
+        index = cls.first_attempt(tenant) if retry else None
+        if index is None:
+            start = max(cls.vtime, cls.last_finish.get(tenant, 0.0))
+            return 1 + sum(1 for t in self._by_id.values() if (t.priority, t.start) <= (priority, start))
+        start = cls.fifos[tenant][index].start  # it would take that first attempt's place, and push it back
+        return 1 + sum(
+            1
+            for t in self._by_id.values()
+            if (t.priority, t.start) <= (priority, start)
+            and not (t.tenant == tenant and t.priority == priority and not t.retry)
+        )
 
     def in_order(self) -> list[Ticket]:
         """Every waiting ticket in the order it would be served if nothing else arrived."""

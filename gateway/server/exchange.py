@@ -16,6 +16,7 @@ from typing import Literal
 from gateway.admission.admitter import Admission, Admitter
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError
+from gateway.server.hints import ClientHints
 from gateway.server.response import ResponseWriter
 from gateway.server.settle import tokens_used
 from gateway.tenants.counters import Charge, TenantCounters
@@ -49,7 +50,7 @@ class Exchange:
         self.tenant: TenantPolicy | None = None
         self.cost: RequestCost | None = None
         self.key: tuple[str, ...] = ()  # (model, route, tenant): whose output lengths estimate this one
-        self.client_wait_s: float | None = None  # the client's own wait budget, when it sent one
+        self.client = ClientHints()  # what the client's headers say about waiting
         self.charge: Charge | None = None
         self.slot: Slot | None = None
         self.slot_wait_s = 0.0
@@ -98,12 +99,13 @@ class Exchange:
             tenant.qclass,
             self.body_bytes,
             self.key,
+            self.client.retry,
         )
         self._stage = "waiting"
 
     @property
     def wait_budget_s(self) -> float:
-        return self._tenant().wait_budget(self.client_wait_s)
+        return self._tenant().wait_budget(self.client.wait_s)
 
     def sending(self) -> None:
         """The request is about to be written to the engine: from here on it may have reached it."""

@@ -24,6 +24,7 @@ from gateway.protocol.requests import InferenceRequest
 from gateway.protocol.routes import BodyKind, route
 from gateway.server.disconnect import ClientDisconnected, DisconnectWatch, Receive
 from gateway.server.exchange import Exchange
+from gateway.server.hints import client_hints
 from gateway.server.response import ResponseWriter, Send
 from gateway.tenants.auth import AdminKeys
 from gateway.tenants.counters import TenantCounters
@@ -120,7 +121,7 @@ class RequestPath:
         watch: DisconnectWatch,
     ) -> None:
         # 1. authenticated already (against one policy snapshot for the whole request)
-        exchange.client_wait_s = client_wait_budget(scope["headers"])
+        exchange.client = client_hints(scope["headers"])
         # 2. parse (large bodies on a worker thread)
         raw = await read_body(receive, self.limits.max_body_bytes)
         exchange.body_read(len(raw))
@@ -157,31 +158,6 @@ class RequestPath:
         headers = upstream_headers(scope["headers"], exchange.request_id, self.upstream_api_key)
         exchange.sending()
         await self.forwarder.passthrough(scope["method"], target, body, headers, exchange.writer)
-
-
-# A client's own wait budget: kvgate's header, or the read timeout the OpenAI SDKs send with every request.
-WAIT_HEADERS = (b"x-kvgate-max-wait-s", b"x-stainless-read-timeout")
-CLIENT_MARGIN_S = 1.0  # answered this long before the client's own timeout would fire
-
-
-def client_wait_budget(headers: list[tuple[bytes, bytes]]) -> float | None:
-    """Seconds the client is prepared to wait, from its headers (None: it did not say); kvgate's own header
-    first. One pass over the headers (ASGI servers hand their names over lower-cased)."""
-    found: dict[bytes, bytes] = {}
-    for key, value in headers:
-        if key in WAIT_HEADERS:
-            found[key] = value
-    for name in WAIT_HEADERS:
-        raw = found.get(name)
-        if raw is None:
-            continue
-        try:
-            seconds = float(raw)
-        except ValueError:
-            continue
-        if seconds > 0 and seconds != float("inf"):
-            return max(0.1, seconds - CLIENT_MARGIN_S) if name == b"x-stainless-read-timeout" else seconds
-    return None
 
 
 def raw_path_of(scope: dict[str, Any]) -> str:

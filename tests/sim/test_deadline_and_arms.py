@@ -97,6 +97,7 @@ async def test_retry_after_once_and_wait_header() -> None:
         await run.cleanup()
     assert [r.attempt for r in recs] == [0, 1]
     assert seen[0]["x-kvgate-max-wait-s"] == "5"  # 10 simulated seconds at time scale 0.5
+    assert [h["x-stainless-retry-count"] for h in seen] == ["0", "1"]  # numbered as the OpenAI SDKs do
     assert recs[0].status == 503 and recs[0].queue_eta_s == 60.0 and recs[0].waited_s is None
     assert recs[1].ok and recs[1].expected_output == 7 and recs[1].finished is not None
     assert recs[1].sent - recs[0].sent >= 0.1 / 0.5 * 0.9
@@ -157,10 +158,12 @@ def test_estimator_and_deadline_summaries() -> None:
         RequestRecord(2, "c", None, 2.0, 10, 50, 200, 0.2, 1.0, 50, attempt=1, expected_output=50),
         RequestRecord(3, "c", None, 0.0, 10, 50, 503, None, 4.0, 0, "queue_wait_predicted", retry_after="1"),
     ]
-    recs[4].waited_s, recs[4].max_wait_s = 3.9, 10.0
+    recs[4].waited_s, recs[4].max_wait_s, recs[4].estimated_wait_s = 3.9, 10.0, 2.5
     st = natural.estimator_stats(recs)
     assert st["n"] == 3 and st["ratio_p50"] == 1.0 and st["outran_frac"] == pytest.approx(1 / 3)
     assert st["reserved_over_actual"] == pytest.approx(275 / 200)
     d = natural.deadline_stats(recs)
     assert (d["requests"], d["retries"], d["retries_admitted"], d["refusals"]) == (4, 1, 1, 2)
     assert d["refused_late"] == 1 and d["refused_over_budget"] == 0 and d["refusal_wait_max_s"] == 3.9
+    recs[4].estimated_wait_s = 3.0  # told to expect 3 s, refused at 3.9 s: within the slack
+    assert natural.deadline_stats(recs)["refused_late"] == 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 from gateway.admission.controller import AdmissionController, Admitted, Queued, Rejected, UsageSample
 from gateway.admission.queue import QueueClass
 from gateway.config import AdmissionConfig
-from gateway.server.request_path import client_wait_budget
+from gateway.server.hints import ClientHints, client_hints
 from gateway.tenants.policy import TenantPolicy
 from gateway.tenants.ratelimit import RateLimits
 from gateway.tokens.cost import KvGeometry, RequestCost
@@ -43,6 +43,19 @@ def test_a_request_that_cannot_be_admitted_in_time_is_refused_at_once() -> None:
     assert isinstance(c.submit(small(), "t", now, max_wait_s=30.0), Queued)  # a patient one still queues
 
 
+def test_a_retry_that_followed_its_retry_after_is_not_sent_to_the_back_of_the_line() -> None:
+    """Refused with a Retry-After, the client comes back to a line that filled up again meanwhile: as a retry it
+    queues ahead of its tenant's first attempts and is admitted in time; a first attempt is refused at once."""
+    c = full_engine(finished_per_s=1.0)
+    now = 20.0
+    for _ in range(5):
+        assert isinstance(c.submit(small(), "t", now, max_wait_s=30.0), Queued)
+    assert isinstance(c.submit(small(), "t", now, max_wait_s=3.0), Rejected)
+    retried = c.submit(small(), "t", now, max_wait_s=3.0, retry=True)
+    assert isinstance(retried, Queued) and retried.position == 1 and retried.ticket.eta_s == retried.eta_s
+    assert [t.retry for t in c.queue.in_order()] == [True, False, False, False, False, False]
+
+
 def test_without_a_trusted_finish_rate_nobody_is_refused_early() -> None:
     c = full_engine(finished_per_s=None)
     for _ in range(20):
@@ -69,10 +82,12 @@ def test_a_queued_request_whose_wait_slips_past_its_budget_is_refused_when_known
 
 
 def test_the_wait_budget_is_the_clients_when_it_says_so() -> None:
-    assert client_wait_budget([(b"x-stainless-read-timeout", b"600")]) == 599.0  # answered before it gives up
-    assert client_wait_budget([(b"x-kvgate-max-wait-s", b"12.5")]) == 12.5
-    assert client_wait_budget([(b"x-stainless-read-timeout", b"nan")]) is None
-    assert client_wait_budget([]) is None
+    assert client_hints([(b"x-stainless-read-timeout", b"600")]).wait_s == 599.0  # answered before it gives up
+    assert client_hints([(b"x-kvgate-max-wait-s", b"12.5"), (b"x-stainless-read-timeout", b"600")]).wait_s == 12.5
+    assert client_hints([(b"x-stainless-read-timeout", b"nan")]).wait_s is None
+    assert client_hints([]) == ClientHints(None, retry=False)
+    assert client_hints([(b"x-stainless-retry-count", b"0")]).retry is False  # the SDK's first attempt
+    assert client_hints([(b"x-stainless-retry-count", b"2"), (b"x-kvgate-max-wait-s", b"5")]) == ClientHints(5.0, True)
     capped = TenantPolicy("t", "t", RateLimits(), None, 10.0, QueueClass(), wait_cap_s=10.0)
     free = TenantPolicy("t", "t", RateLimits(), None, 120.0, QueueClass())
     assert capped.wait_budget(599.0) == 10.0 and capped.wait_budget(None) == 10.0

@@ -11,9 +11,16 @@ from gateway.admission.queue import AdmissionQueue, Pushed, QueueClass, Refused,
 from gateway.tokens.cost import RequestCost
 
 
-def ticket(tenant: str, tokens: int, priority: int = 1, weight: float = 1.0, max_queued: int | None = None) -> Ticket:
+def ticket(
+    tenant: str,
+    tokens: int,
+    priority: int = 1,
+    weight: float = 1.0,
+    max_queued: int | None = None,
+    retry: bool = False,
+) -> Ticket:
     cost = RequestCost((tokens // 2,), 1, tokens - tokens // 2, 1)
-    return Ticket(cost, tenant, 0.0, 1e9, qclass=QueueClass(priority, weight, max_queued))
+    return Ticket(cost, tenant, 0.0, 1e9, qclass=QueueClass(priority, weight, max_queued), retry=retry)
 
 
 def test_fifo_inside_a_tenant() -> None:
@@ -107,6 +114,22 @@ def test_position_counts_who_goes_first() -> None:
     assert q.position(ticket("x", 1)) == 0
 
 
+def test_a_retry_goes_ahead_of_its_tenants_first_attempts_and_nobody_elses() -> None:
+    """Tenant a has two first attempts queued, b one; a's retry takes a's first place, pushes a's own tickets
+    back by its share, and b keeps its turn (it was first in line at the same virtual time)."""
+    q = AdmissionQueue(100)
+    a1, b1, a2 = ticket("a", 100), ticket("b", 100), ticket("a", 100)
+    for t in (a1, b1, a2):
+        q.push(t)
+    retry = ticket("a", 100, retry=True)
+    assert q.prospective_position("a", 1, retry=True) == 2 and q.prospective_position("a", 1) == 4
+    q.push(retry)
+    assert q.in_order() == [b1, retry, a1, a2] and q.position(retry) == 2
+    assert [q.pop() for _ in range(4)] == [b1, retry, a1, a2]
+    q.push(late := ticket("a", 100, retry=True))  # nothing of a's queued: a retry simply joins the line
+    assert q.in_order() == [late]
+
+
 ops = st.lists(
     st.one_of(
         st.tuples(
@@ -115,6 +138,7 @@ ops = st.lists(
             st.integers(1, 1000),
             st.integers(0, 2),
             st.sampled_from([0.5, 1.0, 3.0]),
+            st.booleans(),
         ),
         st.tuples(st.just("pop")),
         st.tuples(st.just("remove"), st.integers(0, 50)),
@@ -133,12 +157,14 @@ def test_no_ticket_lost_or_duplicated_and_order_holds(steps: list[tuple[object, 
     pushed = 0
     for step in steps:
         if step[0] == "push":
-            _, tenant, tokens, prio, weight = step
-            t = ticket(str(tenant), int(tokens), int(prio), float(weight))  # type: ignore[arg-type]
+            _, tenant, tokens, prio, weight, retry = step
+            t = ticket(str(tenant), int(tokens), int(prio), float(weight), retry=bool(retry))  # type: ignore[arg-type]
             t.deadline = float(tokens) / 10
+            expected_position = q.prospective_position(t.tenant, t.priority, t.retry)
             result = q.push(t)
             pushed += 1
             if isinstance(result, Pushed):
+                assert q.position(t) == expected_position
                 inside.append(t)
                 for s in result.shed:
                     assert s.priority > t.priority
@@ -149,9 +175,12 @@ def test_no_ticket_lost_or_duplicated_and_order_holds(steps: list[tuple[object, 
         elif step[0] == "pop" and inside:
             head = q.pop()
             inside.remove(head)
-            # strict priority: nothing of a higher class was waiting; FIFO inside the tenant
+            # strict priority: nothing of a higher class was waiting; inside the tenant and class, retries first,
+            # each kind in arrival order
             assert all(t.priority >= head.priority for t in inside)
-            assert all(t.id > head.id for t in inside if t.tenant == head.tenant and t.priority == head.priority)
+            mine = [t for t in inside if t.tenant == head.tenant and t.priority == head.priority]
+            assert all(t.id > head.id for t in mine if t.retry == head.retry)
+            assert head.retry or not any(t.retry for t in mine)
             out.append(head)
         elif step[0] == "remove" and inside:
             victim = inside[int(step[1]) % len(inside)]  # type: ignore[call-overload]
