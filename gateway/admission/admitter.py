@@ -212,7 +212,7 @@ class Admitter:
     def _refuse_hopeless(self) -> None:
         """Queued requests that can no longer be admitted within their budget hear so now."""
         now = self.clock()
-        for ticket, predicted in self.controller.hopeless(now):
+        for ticket, predicted, retry_after in self.controller.hopeless(now):
             _, future, timer = self._waiters.pop(ticket.id)
             timer.cancel()
             if not future.done():
@@ -221,7 +221,7 @@ class Admitter:
                     "waited_s": round(now - ticket.enqueued_at, 3),
                     "estimated_wait_s": _rounded(ticket.eta_s),  # what it was told to expect on arrival
                 }
-                future.set_exception(wait_predicted(min(max(predicted, 1.0), 600.0), extra))
+                future.set_exception(wait_predicted(retry_after, extra))
         self.pump()  # a refused ticket at the head may have held back one that fits
 
     def scrape_failed(self) -> None:

@@ -15,6 +15,7 @@ request leaves by its deadline, so nothing waits forever.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
@@ -93,6 +94,38 @@ class DrainRate:
         return len(self._events) / span
 
 
+class ReturnBook:
+    """When refused clients were told to come back: the Retry-After of a refusal books the next free return
+    slot, no earlier than the line it was refused from is gone and one finish after the last booked return, so
+    the clients told to come back do not all come back at once. A retry queues ahead of first attempts (see
+    :mod:`gateway.admission.queue`), so a first attempt counts the returns due while it would wait as ahead of
+    it. A return is forgotten ``grace_s`` after its time: the client came back, or gave up."""
+
+    def __init__(self, grace_s: float = 2.0, max_booked: int = 100_000) -> None:
+        self.grace_s = grace_s
+        self.max_booked = max_booked
+        self._times: list[float] = []  # nondecreasing: each booking is after the previous one
+
+    def __len__(self) -> int:
+        return len(self._times)
+
+    def book(self, earliest: float, spacing_s: float) -> float:
+        """Book a return at ``earliest`` or ``spacing_s`` after the last booked one, whichever is later."""
+        at = max(earliest, self._times[-1] + spacing_s) if self._times else earliest
+        if len(self._times) < self.max_booked:
+            self._times.append(at)
+        return at
+
+    def due(self, start: float, end: float) -> int:
+        """Returns booked in ``[start - grace_s, end]``: expected back before ``end``, or late but still coming."""
+        return bisect.bisect_right(self._times, end) - bisect.bisect_left(self._times, start - self.grace_s)
+
+    def forget(self, now: float) -> None:
+        gone = bisect.bisect_left(self._times, now - self.grace_s)
+        if gone:
+            del self._times[:gone]
+
+
 class Caution:
     """How much of the output distribution is reserved: the configured quantile while the engine stays healthy,
     one step more cautious (towards the whole budget) each time it preempts or runs past the high watermark,
@@ -151,6 +184,7 @@ class AdmissionController:
         self.lengths = OutputLengths(window=est.window, min_samples=est.min_samples)
         self.caution = Caution(est.quantile, est.relax_after_s)
         self.outran = 0  # requests that outran their estimate (and grew their reservation)
+        self.returns = ReturnBook()
 
     # --- telemetry in -------------------------------------------------------------------------------
 
@@ -255,9 +289,12 @@ class AdmissionController:
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         ahead = self.queue.prospective_position(tenant, qclass.priority, retry)
         predicted = self.predicted_wait(ahead, now)
+        if predicted is not None and not retry:  # clients told to come back meanwhile will go ahead of it
+            ahead += self.returns.due(now, now + predicted)
+            predicted = self.predicted_wait(ahead, now)
         if predicted is not None and predicted > wait:
-            # it would wait its whole budget and then be refused: refuse now, and say when the line will be gone
-            return Rejected("queue_wait_predicted", min(max(predicted, 1.0), 600.0), ahead)
+            # it would wait its whole budget and then be refused: refuse now, and book when to come back
+            return Rejected("queue_wait_predicted", self.book_return(now, predicted), ahead)
         ticket = Ticket(
             expected,
             tenant,
@@ -344,20 +381,31 @@ class AdmissionController:
         """The wait of the request at ``position``, once the finish rate is known well enough to act on."""
         return self.eta(position, now) if self.drain.mature(now) else None
 
-    def hopeless(self, now: float) -> list[tuple[Ticket, float]]:
+    def hopeless(self, now: float) -> list[tuple[Ticket, float, float]]:
         """Queued tickets whose predicted wait now runs past their deadline, taken out of the queue, each with
-        its predicted wait: they are refused as soon as that is known, not at the end of their budget."""
+        its predicted wait and a booked Retry-After: they are refused as soon as that is known, not at the end
+        of their budget."""
         rate = self.drain.per_second(now)
         if not self.drain.mature(now) or rate <= 0:
             return []
-        doomed: list[tuple[Ticket, float]] = []
+        self.returns.forget(now)
+        doomed: list[tuple[Ticket, float, float]] = []
         for position, ticket in enumerate(self.queue.in_order(), start=1):
             predicted = (position - len(doomed)) / rate  # those refused before it leave the line too
+            if not ticket.retry:
+                predicted += self.returns.due(now, now + predicted) / rate
             if now + predicted > ticket.deadline:
-                doomed.append((ticket, predicted))
-        for ticket, _ in doomed:
+                doomed.append((ticket, predicted, self.book_return(now, predicted)))
+        for ticket, _, _ in doomed:
             self.queue.remove(ticket)
         return doomed
+
+    def book_return(self, now: float, line_wait_s: float) -> float:
+        """The Retry-After of a request refused for want of time: when the line it saw is gone, and after every
+        return booked before it, one finish apart."""
+        rate = self.drain.per_second(now)
+        at = self.returns.book(now + max(line_wait_s, 1.0), 1.0 / rate if rate > 0 else 1.0)
+        return min(at - now, 600.0)
 
     def eta(self, position: int, now: float) -> float | None:
         """Seconds until ``position`` requests ahead have drained at the observed finish rate (None: unknown)."""

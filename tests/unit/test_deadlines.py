@@ -76,8 +76,8 @@ def test_a_queued_request_whose_wait_slips_past_its_budget_is_refused_when_known
         c.drain.record(float(t))
     doomed = c.hopeless(30.0)
     # first in line: ~3.6 s more, before its deadline at 35 s; second: ~7.2 s, past it; and so on
-    assert [t for t, _ in doomed] == [d.ticket for d in [*early[1:], late] if isinstance(d, Queued)]
-    assert all(30.0 + predicted > t.deadline for t, predicted in doomed)
+    assert [t for t, _, _ in doomed] == [d.ticket for d in [*early[1:], late] if isinstance(d, Queued)]
+    assert all(30.0 + predicted > t.deadline for t, predicted, _ in doomed)
     assert len(c.queue) == 1
 
 
@@ -93,3 +93,25 @@ def test_the_wait_budget_is_the_clients_when_it_says_so() -> None:
     assert capped.wait_budget(599.0) == 10.0 and capped.wait_budget(None) == 10.0
     assert free.wait_budget(599.0) == 599.0 and free.wait_budget(None) == 120.0
     assert free.wait_budget(1e9) == 600.0  # no client queues longer than the SDKs' own default timeout
+
+
+def test_refused_clients_are_told_to_come_back_one_finish_apart_and_first_attempts_count_them() -> None:
+    """Three refused at once at ~1 finish/s are booked to come back ~1 s apart (not all together); a first
+    attempt that arrives meanwhile counts those returns, which will queue ahead of it, and is refused at once
+    with a return after theirs; a retry does not count them."""
+    c = full_engine(finished_per_s=1.0)
+    now = 20.0
+    for _ in range(5):
+        assert isinstance(c.submit(small(), "t", now, max_wait_s=30.0), Queued)
+    refusals = [c.submit(small(), "t", now, max_wait_s=3.0) for _ in range(3)]
+    afters = [r.retry_after_s for r in refusals if isinstance(r, Rejected)]
+    assert len(afters) == 3 and afters[1] - afters[0] == afters[2] - afters[1] and 0.9 <= afters[1] - afters[0] <= 1.2
+    assert len(c.returns) == 3 and c.returns.due(now, now + afters[2]) == 3
+    while len(c.queue) > 1:  # the line drains to one: alone, a first attempt would wait ~2 s < 3 s
+        c.queue.pop()
+    late = c.submit(small(), "t", now + afters[0] - 1.0, max_wait_s=3.0)  # but three will be back before it is in
+    assert isinstance(late, Rejected) and late.reason == "queue_wait_predicted"
+    assert late.retry_after_s > afters[2] - afters[0] + 1.0  # booked after the three
+    assert isinstance(c.submit(small(), "t", now + afters[0], max_wait_s=3.0, retry=True), Queued)
+    c.returns.forget(now + 1000.0)
+    assert len(c.returns) == 0
