@@ -40,7 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="YAML config file; flags override it")
     serve.add_argument(
         "--tokenizer",
-        help="auto | hf:PATH | tiktoken:NAME_OR_FILE | vllm | heuristic[:CHARS_PER_TOKEN]",
+        help="auto | MODEL_DIR | HUB_ID (org/name) | hf:PATH | tiktoken:NAME_OR_FILE | vllm | heuristic[:N]",
+    )
+    serve.add_argument(
+        "--tokenizer-download",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fetch a hub tokenizer missing from the HF cache (config: tokenizer_download; default off)",
     )
     serve.add_argument("--log-level", default=None, help="debug, info, warning (default info)")
     serve.add_argument(

@@ -256,7 +256,16 @@ class ReloadConfig(_Model):
 class GatewayConfig(_Model):
     upstream: UpstreamConfig = UpstreamConfig()
     listen: ListenConfig = ListenConfig()
-    tokenizer: str = "auto"
+    tokenizer: str = Field(
+        "auto",
+        description="auto, a model directory, a hub id (org/name, from the HF cache), hf:PATH, "
+        "tiktoken:NAME_OR_FILE, vllm or heuristic[:N].",
+    )
+    tokenizer_download: bool = Field(
+        False,
+        description="Let a hub-id tokenizer (or auto, by the served model's id) missing from the HF cache be "
+        "downloaded from HF_ENDPOINT (with HF_TOKEN) into that cache.",
+    )
     model: ModelConfig = ModelConfig()
     admission: AdmissionConfig = AdmissionConfig()
     telemetry: TelemetryConfig = TelemetryConfig()

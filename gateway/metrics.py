@@ -44,10 +44,19 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
         "Learned output tokens per sequence at a quantile, over all finished requests",
         ("quantile",),
     ),
+    "kvgate_tokenizer_info": (
+        "1 for the tokenizer counting prompt tokens: kind (hf, tiktoken, vllm, heuristic) and source (model_dir, "
+        "hf_cache, hf_download, path, tiktoken_cache, engine, builtin; pending until auto has chosen)",
+        ("kind", "source"),
+    ),
 }
 # Counters kept by pure code (no prometheus inside it), read the same way.
 STATE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kvgate_requests_outran_estimate": ("Requests that outran their expected output and grew their reservation", ()),
+    "kvgate_tokenize_cache_lookups": (
+        "Engine /tokenize counts looked up in the whole-request cache, by result (hit: no round trip)",
+        ("result",),
+    ),
 }
 
 Reading = tuple[str, tuple[str, ...], float]  # gauge name, label values, value

@@ -29,8 +29,10 @@ from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import Policy
 from gateway.tenants.reload import ConfigWatcher
 from gateway.tokens.cost import KvGeometry
-from gateway.tokens.counting import TokenCounter, build_counter
+from gateway.tokens.count_cache import CountCache
+from gateway.tokens.counting import TokenCounter
 from gateway.tokens.estimator import CostEstimator
+from gateway.tokens.resolve import build_counter
 from gateway.tokens.tokenizers import HeuristicTokenizer
 from gateway.upstream.forwarder import Forwarder
 from gateway.upstream.scraper import ModelInfo, Scraper
@@ -82,8 +84,9 @@ class Gateway:
             on_model=self._on_model,
         )
         self.scraper.subscribe(self.admitter)
+        self.tokenize_cache = CountCache()  # outlives the counters: its hit/miss totals are counters
         self.costs = CostEstimator(
-            TokenCounter(HeuristicTokenizer()),
+            TokenCounter(HeuristicTokenizer(), source="pending"),
             geometry=lambda: self.controller.geometry,
             max_model_len=lambda: config.model.max_model_len or self.scraper.model.max_model_len,
             high_watermark=config.admission.high_watermark,
@@ -153,14 +156,19 @@ class Gateway:
             await self._resolve_tokenizer()
 
     async def _resolve_tokenizer(self) -> None:
+        self.tokenize_cache.clear()  # counts of another model, or of an engine since restarted
         self.costs.counter = await build_counter(
             self.config.tokenizer,
             session=self.session(),
             upstream=self.config.upstream.url,
             model_root=self.scraper.model.root,
+            model_id=self.scraper.model.id,
+            download=self.config.tokenizer_download,
             offload_chars=self.config.limits.offload_tokenize_chars,
+            cache=self.tokenize_cache,
         )
-        log.info("counting prompt tokens with %s", self.costs.counter.name)
+        counter = self.costs.counter
+        log.info("counting prompt tokens with %s (source: %s)", counter.name, counter.source)
 
     def begin_drain(self) -> None:
         """SIGTERM: report not-ready, refuse new requests, answer queued ones with 503 + Retry-After."""
@@ -246,6 +254,9 @@ class Gateway:
             if expected is not None:
                 yield "kvgate_output_tokens_expected", (str(q),), float(expected)
         yield "kvgate_requests_outran_estimate", (), float(c.outran)
+        yield "kvgate_tokenizer_info", (self.costs.counter.kind, self.costs.counter.source), 1.0
+        yield "kvgate_tokenize_cache_lookups", ("hit",), float(self.tokenize_cache.hits)
+        yield "kvgate_tokenize_cache_lookups", ("miss",), float(self.tokenize_cache.misses)
 
     def _control_app(self) -> FastAPI:
         app = FastAPI(title="kvgate", docs_url=None, redoc_url=None, openapi_url=None)

@@ -14,7 +14,8 @@ from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.logs import configure_logging
 from gateway.server.app import Gateway
 from gateway.server.http_server import guarded_protocol
-from gateway.tokens.tokenizers import TokenizerUnavailable, load_tokenizer
+from gateway.tokens.resolve import load_explicit
+from gateway.tokens.tokenizers import TokenizerUnavailable
 
 log = logging.getLogger("kvgate")
 
@@ -59,6 +60,7 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
         host=args.host,
         port=args.port,
         tokenizer=args.tokenizer,
+        tokenizer_download=args.tokenizer_download,
         log_level=args.log_level,
     )
 
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(config.log_level)
     if config.tokenizer not in ("auto", "vllm"):
         try:  # fail before binding the port, with the loader's explanation of what is missing
-            load_tokenizer(config.tokenizer)
+            asyncio.run(load_explicit(config.tokenizer, download=config.tokenizer_download))
         except TokenizerUnavailable as exc:
             log.error("cannot load tokenizer %r: %s", config.tokenizer, exc)
             return 2

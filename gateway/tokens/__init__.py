@@ -1,6 +1,8 @@
 """Tokens and what they cost: tokenizers, counting a request's prompt tokens, and its KV-block cost.
 
-Owns: :mod:`.tokenizers` (hf / tiktoken / heuristic, chat templates), :mod:`.counting` (count a parsed
-request without stalling the loop, or ask the engine's /tokenize), :mod:`.cost` (tokens -> KV blocks, pure).
+Owns: :mod:`.tokenizers` (hf / tiktoken / heuristic, chat templates), :mod:`.hub` (tokenizer files in the
+Hugging Face cache, and downloading them there), :mod:`.resolve` (which counter: explicit spec or ``auto``),
+:mod:`.counting` (count a parsed request without stalling the loop, or ask the engine's /tokenize, with
+:mod:`.count_cache` for repeated requests), :mod:`.cost` (tokens -> KV blocks, pure).
 May import: :mod:`gateway.protocol`, :mod:`gateway.config`.
 """

@@ -5,7 +5,8 @@ served model's). Text goes to the configured tokenizer: a local one runs inline 
 ``offload_chars`` of tokenized text, on a small pool of worker threads with ``off_loop=True``, so that it
 releases the GIL while it encodes (see :mod:`gateway.tokens.tokenizers`: a worker thread that holds the GIL
 stalls the loop as surely as the loop itself). ``vllm`` asks the engine's ``/tokenize``, with a short timeout:
-an engine that cannot tokenize is a 502/503 for the client, never a 500 or a request hung for minutes.
+an engine that cannot tokenize is a 502/503 for the client, never a 500 or a request hung for minutes. Its
+counts of whole requests are cached (:mod:`gateway.tokens.count_cache`: why only whole requests).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,12 +22,8 @@ import orjson
 
 from gateway.protocol.errors import GatewayError, bad_request, upstream_unavailable
 from gateway.protocol.requests import InferenceRequest, Prompt
-from gateway.tokens.tokenizers import (
-    HeuristicTokenizer,
-    LocalTokenizer,
-    TokenizerUnavailable,
-    load_tokenizer,
-)
+from gateway.tokens.count_cache import CountCache
+from gateway.tokens.tokenizers import LocalTokenizer
 
 log = logging.getLogger("kvgate.counting")
 
@@ -40,7 +36,10 @@ class TokenCounter:
     """Counts a request's prompt tokens with a local tokenizer, or remotely with the engine's /tokenize.
 
     ``workers`` bounds the threads that tokenize long prompts at once (they use a core each while the loop
-    keeps serving); ``tokenize_timeout_s`` bounds one /tokenize call, connect and answer together."""
+    keeps serving); ``tokenize_timeout_s`` bounds one /tokenize call, connect and answer together; ``cache``
+    keeps /tokenize counts of whole requests (one that outlives this counter keeps its hit/miss totals).
+    ``kind`` (hf, tiktoken, heuristic, vllm) and ``source`` (where the tokenizer came from) label
+    ``kvgate_tokenizer_info``."""
 
     def __init__(
         self,
@@ -52,6 +51,8 @@ class TokenCounter:
         executor: ThreadPoolExecutor | None = None,
         workers: int = 2,
         tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S,
+        cache: CountCache | None = None,
+        source: str = "config",
     ) -> None:
         if local is None and (session is None or upstream is None):
             raise ValueError("a remote counter needs a session and an upstream URL")
@@ -64,6 +65,9 @@ class TokenCounter:
         self._timeout = aiohttp.ClientTimeout(total=tokenize_timeout_s)
         self.name = local.name if local else "vllm"
         self.exact = local.exact if local else True
+        self.kind = local.name.partition(":")[0] if local else "vllm"
+        self.source = source
+        self.cache = cache if cache is not None else CountCache()
 
     async def count(self, request: InferenceRequest) -> tuple[int, ...]:
         """Prompt tokens per prompt (one entry for chat)."""
@@ -94,14 +98,22 @@ class TokenCounter:
         return tuple(counts)
 
     async def _tokenize(self, payload: dict[str, Any]) -> int:
-        """One /tokenize call. Unreachable or silent: 503 with a retry hint; a 5xx or an answer without a
-        count: 502; a 4xx is the engine judging the client's request (unknown model, bad messages): as is."""
+        """One /tokenize call, unless the same body was counted before. Unreachable or silent: 503 with a
+        retry hint; a 5xx or an answer without a count: 502; a 4xx is the engine judging the client's request
+        (unknown model, bad messages): as is. Only good counts are cached."""
+        body = orjson.dumps(payload)
+        key = self.cache.key(body)
+        count = self.cache.get(key)
+        if count is None:
+            count = await self._post_tokenize(body)
+            self.cache.put(key, count)
+        return count
+
+    async def _post_tokenize(self, payload: bytes) -> int:
         assert self._session is not None
         url = f"{self._upstream}/tokenize"
         try:
-            async with self._session.post(
-                url, data=orjson.dumps(payload), headers=_JSON, timeout=self._timeout
-            ) as resp:
+            async with self._session.post(url, data=payload, headers=_JSON, timeout=self._timeout) as resp:
                 status, body = resp.status, await resp.read()
         except TimeoutError:
             log.warning("/tokenize at %s: no answer within %gs", url, self._timeout_s)
@@ -175,59 +187,3 @@ def _count_local(tokenizer: LocalTokenizer, request: InferenceRequest, off_loop:
     if request.messages is not None:
         return (tokenizer.count_messages(request.messages, request.tools, off_loop=off_loop),)
     return tuple(len(p) if isinstance(p, list) else tokenizer.count(p, off_loop=off_loop) for p in request.prompts)
-
-
-async def build_counter(
-    spec: str,
-    *,
-    session: aiohttp.ClientSession,
-    upstream: str,
-    model_root: str | None,
-    offload_chars: int,
-    tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S,
-) -> TokenCounter:
-    """Resolve a tokenizer spec; ``auto`` tries, in order: the served model's own directory (when the engine
-    reports a local path in /v1/models, as a sidecar sharing the model volume sees), the engine's /tokenize,
-    then the heuristic. The choice is logged, because it decides how exact admission is."""
-
-    def make(local: LocalTokenizer | None) -> TokenCounter:
-        return TokenCounter(
-            local,
-            session=session,
-            upstream=upstream,
-            offload_chars=offload_chars,
-            tokenize_timeout_s=tokenize_timeout_s,
-        )
-
-    if spec == "vllm":
-        return make(None)
-    if spec != "auto":
-        return make(load_tokenizer(spec))
-    if model_root and (Path(model_root) / "tokenizer.json").is_file():
-        try:
-            counter = make(load_tokenizer(f"hf:{model_root}"))
-            log.info("tokenizer auto: using the served model's tokenizer at %s (exact)", model_root)
-            return counter
-        except TokenizerUnavailable as exc:
-            log.warning("tokenizer auto: %s", exc)
-    if await _tokenize_endpoint_works(session, upstream):
-        log.info("tokenizer auto: using the engine's /tokenize at %s (exact, one extra round trip)", upstream)
-        return make(None)
-    log.warning(
-        "tokenizer auto: no local tokenizer and no /tokenize on the upstream; using the ~4 chars/token "
-        "heuristic (inexact). Pass --tokenizer hf:/path/to/model for exact admission."
-    )
-    return make(HeuristicTokenizer())
-
-
-async def _tokenize_endpoint_works(session: aiohttp.ClientSession, upstream: str) -> bool:
-    try:
-        async with session.post(
-            f"{upstream.rstrip('/')}/tokenize",
-            data=orjson.dumps({"prompt": "hello"}),
-            headers=_JSON,
-            timeout=aiohttp.ClientTimeout(total=5),
-        ) as resp:
-            return resp.status == 200 and "count" in orjson.loads(await resp.read())
-    except (aiohttp.ClientError, TimeoutError, ValueError, TypeError):
-        return False

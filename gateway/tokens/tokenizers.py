@@ -3,13 +3,15 @@
 Four kinds, best first:
 
 * ``hf:PATH``: a Hugging Face ``tokenizer.json`` (or a model directory holding one). Exact for the served
-  model, and chat requests are rendered through the model's own chat template, as vLLM does.
+  model, and chat requests are rendered through the model's own chat template, as vLLM does. Like vLLM's own
+  ``--tokenizer``, a bare directory, or a hub id (``org/name``, found in the Hugging Face cache: see
+  :mod:`gateway.tokens.hub`), means the same.
 * ``vllm``: the engine's own ``/tokenize`` endpoint. Exact, but costs a round trip per request.
 * ``tiktoken:NAME_OR_FILE``: a tiktoken encoding by name (needs its cached file; nothing is downloaded at run
   time here) or from a local ``.tiktoken`` rank file.
 * ``heuristic[:CHARS_PER_TOKEN]``: characters divided by a ratio. Never exact; always available.
 
-``auto`` picks the best available at start-up and logs the choice (see :func:`gateway.tokens.counting.build_counter`).
+``auto`` picks the best available at start-up and logs the choice (see :func:`gateway.tokens.resolve.build_counter`).
 Local tokenizers are synchronous and thread-safe; the caller decides when to push them onto a thread, and says
 so with ``off_loop=True``: moving work to a thread frees the event loop only if the work releases the GIL.
 
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gateway.protocol.errors import bad_request
+from gateway.tokens import hub
 
 Message = Mapping[str, Any]
 
@@ -245,13 +248,16 @@ class HFTokenizer:
         if not file.is_file():
             raise TokenizerUnavailable(
                 f"no Hugging Face tokenizer at {spec!r}: expected a tokenizer.json file or a model directory "
-                "containing one (models are never downloaded at run time; mount the model directory)"
+                "containing one (mount the model directory, or name the model by its hub id)"
             )
-        tokenizer = Tokenizer.from_file(str(file))
         config: dict[str, Any] = {}
         config_file = directory / "tokenizer_config.json"
-        if config_file.is_file():
-            config = json.loads(config_file.read_text(encoding="utf-8"))
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+            if config_file.is_file():
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+        except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise TokenizerUnavailable(f"cannot load the tokenizer at {spec!r}: {type(exc).__name__}: {exc}") from exc
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -340,22 +346,44 @@ def _compile_template(source: str) -> Any:
     return env.from_string(source)
 
 
+SPECS = "auto, a model directory, a hub id (org/name), hf:PATH, tiktoken:NAME_OR_FILE, vllm or heuristic[:N]"
+
+
 def load_tokenizer(spec: str) -> LocalTokenizer:
-    """Load a local tokenizer from ``hf:PATH``, ``tiktoken:NAME_OR_FILE`` or ``heuristic[:N]``."""
+    """A local tokenizer from any spec but ``auto`` and ``vllm`` (see :func:`open_tokenizer`)."""
+    return open_tokenizer(spec)[0]
+
+
+def open_tokenizer(spec: str) -> tuple[LocalTokenizer, str]:
+    """A local tokenizer, and where it came from (a bounded name: path, hf_cache, tiktoken_cache, builtin).
+
+    ``hf:PATH``, ``tiktoken:NAME_OR_FILE``, ``heuristic[:N]``, and what vLLM's ``--tokenizer`` takes: a bare
+    directory (or tokenizer.json), or a hub id looked up in the Hugging Face cache. Nothing is downloaded here
+    (:func:`gateway.tokens.resolve.load_explicit` does, when allowed)."""
     kind, _, arg = spec.partition(":")
-    if kind == "hf":
-        if not arg:
-            raise TokenizerUnavailable("hf: needs a path, e.g. hf:/models/llama-3-8b")
-        return HFTokenizer.load(arg)
     if kind == "tiktoken":
         if not arg:
             raise TokenizerUnavailable("tiktoken: needs an encoding name or a .tiktoken file path")
-        return TiktokenTokenizer.load(arg)
+        source = "path" if Path(arg).suffix == ".tiktoken" or Path(arg).exists() else "tiktoken_cache"
+        return TiktokenTokenizer.load(arg), source
     if kind == "heuristic":
         try:
-            return HeuristicTokenizer(float(arg) if arg else 4.0)
+            return HeuristicTokenizer(float(arg) if arg else 4.0), "builtin"
         except ValueError as exc:
             raise TokenizerUnavailable(f"heuristic:{arg}: chars-per-token must be a number") from exc
-    raise TokenizerUnavailable(
-        f"unknown tokenizer spec {spec!r}: use auto, hf:PATH, tiktoken:NAME_OR_FILE, vllm or heuristic[:N]"
-    )
+    if kind == "hf" and not arg:
+        raise TokenizerUnavailable("hf: needs a path or a hub id, e.g. hf:/models/llama-3-8b")
+    target = arg if kind == "hf" else spec
+    if not hub.is_repo_id(target) or Path(target).exists():
+        if kind == "hf" or "/" in target or Path(target).exists():
+            return HFTokenizer.load(target), "path"
+        raise TokenizerUnavailable(f"unknown tokenizer spec {spec!r}: use {SPECS}")
+    snapshot = hub.cached_snapshot(target)
+    if snapshot is None:
+        raise TokenizerUnavailable(
+            f"no tokenizer for {target!r}: no such directory, and the Hugging Face cache at {hub.cache_dir()} "
+            "has no snapshot of it with a tokenizer.json. Mount the model directory, or the HF cache vLLM uses "
+            f"(set HF_HUB_CACHE or HF_HOME), or set tokenizer_download: true to fetch its tokenizer files; "
+            f"specs: {SPECS}"
+        )
+    return HFTokenizer.load(str(snapshot)), "hf_cache"

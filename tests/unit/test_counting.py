@@ -15,6 +15,7 @@ from aiohttp import web
 
 from gateway.protocol.errors import GatewayError
 from gateway.protocol.requests import InferenceRequest, parse_request
+from gateway.tokens.count_cache import CountCache
 from gateway.tokens.counting import TokenCounter
 from gateway.tokens.tokenizers import HeuristicTokenizer, Message
 from tests.support.procs import free_port
@@ -208,3 +209,77 @@ async def test_a_working_tokenize_counts(engine: Callable[[Handler], Awaitable[s
 def test_the_default_tokenize_timeout_is_short() -> None:
     counter = TokenCounter(None, session=object(), upstream="http://x")  # type: ignore[arg-type]
     assert counter._timeout.total == 5.0
+
+
+# --- the whole-request cache of /tokenize counts ---------------------------------------------------------
+
+
+class CountingEngine:
+    """A /tokenize that answers len(body) and records every body it was asked to count."""
+
+    def __init__(self, fail_first: int = 0) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.fail_first = fail_first
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        if len(self.bodies) <= self.fail_first:
+            return web.Response(status=500, text="Internal Server Error")
+        return web.json_response({"count": len(await request.read())})
+
+
+async def test_a_repeated_request_is_counted_once(engine: Callable[[Handler], Awaitable[str]]) -> None:
+    fake = CountingEngine()
+    url = await engine(fake.handle)
+    turn1 = [{"role": "user", "content": "hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"a": 1, "b": 2}}}]
+    reordered = [{"type": "function", "function": {"name": "f", "parameters": {"b": 2, "a": 1}}}]
+    async with aiohttp.ClientSession() as session:
+        counter = TokenCounter(None, session=session, upstream=url)
+        first = await counter.count(chat(turn1, model="m"))
+        assert await counter.count(chat(turn1, model="m")) == first and len(fake.bodies) == 1  # hit: no round trip
+        assert (counter.cache.hits, counter.cache.misses) == (1, 1)
+        # anything the engine's count depends on is a different request: a miss, and a round trip
+        distinct = [
+            chat(turn1, model="other"),
+            chat(turn2, model="m"),  # the conversation grew: its prefix's count is not reused
+            chat(turn1, model="m", tools=tools),
+            chat(turn1, model="m", tools=reordered),  # key order reaches a tojson-rendered template
+            completion("hi"),
+        ]
+        for request in distinct:
+            await counter.count(request)
+        assert len(fake.bodies) == 1 + len(distinct) and counter.cache.misses == 1 + len(distinct)
+        assert await counter.count(chat(turn2, model="m")) == (len(orjson.dumps(fake.bodies[2])),)
+        assert await counter.count(completion(["hi", "there"])) == (len(b'{"prompt":"hi"}'), len(b'{"prompt":"there"}'))
+        assert len(fake.bodies) == 1 + len(distinct) + 1  # only "there" was new
+        assert counter.cache.hits == 3
+
+
+async def test_failed_counts_are_not_cached(engine: Callable[[Handler], Awaitable[str]]) -> None:
+    fake = CountingEngine(fail_first=1)
+    url = await engine(fake.handle)
+    async with aiohttp.ClientSession() as session:
+        counter = TokenCounter(None, session=session, upstream=url)
+        with pytest.raises(GatewayError):
+            await counter.count(completion("hello"))
+        assert await counter.count(completion("hello")) == (len(b'{"prompt":"hello"}'),)
+        assert len(fake.bodies) == 2 and len(counter.cache) == 1
+
+
+def test_the_cache_is_a_bounded_lru_of_digests() -> None:
+    cache = CountCache(max_entries=2, max_bytes=1 << 20)
+    a, b, c = (CountCache.key(orjson.dumps({"prompt": p})) for p in ("secret a", "b", "c"))
+    assert len(a) == 32 and b"secret" not in a  # a digest, never the text
+    cache.put(a, 1)
+    cache.put(b, 2)
+    assert cache.get(a) == 1  # a is now the most recently used
+    cache.put(c, 3)
+    assert (cache.get(b), cache.get(a), cache.get(c)) == (None, 1, 3) and len(cache) == 2
+    by_bytes = CountCache(max_entries=100, max_bytes=2 * 32)
+    for i, key in enumerate((a, b, c)):
+        by_bytes.put(key, i)
+    assert len(by_bytes) == 2 and by_bytes.key_bytes == 64 and by_bytes.get(a) is None
+    by_bytes.clear()
+    assert (len(by_bytes), by_bytes.key_bytes, by_bytes.misses) == (0, 0, 1)  # totals survive a clear
