@@ -365,16 +365,26 @@ def test_natural_burst_through_kvgate_serves_everything_without_preempting(
     natural_bursts: dict[str, list[burst.BurstResult]],
 ) -> None:
     """Reserving expected output, not the cap: every request served, at most 2 preemptions per burst, peak KV
-    at most 0.95. The wall-time bound only guards against a return to worst-case reservation (which left the
-    engine half empty); the target, <= 1.0x the bare engine (which preempts), is not met on this CPU engine
-    yet: measured 0.93x in one ABBA run and 1.27x in another."""
+    at most 0.95, and the engine's work done at least as fast as bare (which preempts).
+
+    Where outputs stop is drawn by the engine's sampler (a per-request seed would pin it, but crashes the CPU
+    sampler), so two bursts of the same prompts do different amounts of work: one ABBA run measured 21.4k and
+    24.8k generated tokens direct against 27.6k and 25.1k through kvgate. Wall time is therefore compared per
+    generated token (measured 0.90x direct in that run; raw wall 1.03x); the bounds guard against a return to
+    worst-case reservation (which left the engine half empty), with room for two shared cores' noise."""
     direct, kvgate = natural_bursts["direct"], natural_bursts["kvgate"]
     for r in kvgate:
         assert r.ok == r.n and r.errors == [], _report(natural_bursts)
         assert r.preemptions <= 2 and r.max_kv_usage <= 0.95, _report(natural_bursts)
     assert all(r.ok == r.n for r in direct), _report(natural_bursts)
-    ratio = sum(r.wall_s for r in kvgate) / sum(r.wall_s for r in direct)
-    assert ratio <= 1.5, f"wall time kvgate/direct {ratio:.2f}" + _report(natural_bursts)
+
+    def seconds_per_token(runs: list[burst.BurstResult]) -> float:
+        return sum(r.wall_s for r in runs) / sum(r.generated_tokens for r in runs)
+
+    per_token = seconds_per_token(kvgate) / seconds_per_token(direct)
+    wall = sum(r.wall_s for r in kvgate) / sum(r.wall_s for r in direct)
+    print(f"\nnatural burst, kvgate/direct: wall per generated token {per_token:.2f}x, wall {wall:.2f}x")
+    assert per_token <= 1.15 and wall <= 1.5, f"per token {per_token:.2f}x, wall {wall:.2f}x" + _report(natural_bursts)
 
 
 # --- client disconnects -----------------------------------------------------------------------------------
