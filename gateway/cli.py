@@ -34,7 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the gateway in front of a vLLM server")
-    serve.add_argument("--upstream", help="vLLM base URL, e.g. http://127.0.0.1:8000")
+    serve.add_argument(
+        "--upstream",
+        action="append",
+        help="vLLM base URL, e.g. http://127.0.0.1:8000; repeat it for a pool of engines",
+    )
+    serve.add_argument(
+        "--upstream-dns",
+        metavar="HOST[:PORT]",
+        help="find the engines by DNS: every address of HOST (a Kubernetes headless Service) is an engine",
+    )
     serve.add_argument("--host", help="address to listen on (default 0.0.0.0)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8080)")
     serve.add_argument("--config", help="YAML config file; flags override it")

@@ -19,8 +19,28 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class DiscoveryConfig(_Model):
+    """Engines found by DNS: every address of ``dns`` is one vLLM engine (a Kubernetes headless Service
+    resolves to its ready pods), re-resolved every ``interval_s``; engines come and go with the answer."""
+
+    dns: str = Field(description="Host name to resolve, e.g. vllm-engines.default.svc.cluster.local")
+    port: int = Field(8000, ge=1, le=65535)
+    scheme: Literal["http", "https"] = "http"
+    interval_s: float = Field(5.0, gt=0)
+
+
 class UpstreamConfig(_Model):
+    """The engines: ``url`` (a pool of one, the sidecar layout), or ``urls`` (a static pool), or
+    ``discovery`` (a pool found by DNS). One of them is used, in the reverse order."""
+
     url: str = "http://127.0.0.1:8000"
+    urls: list[str] = Field(default_factory=list, description="A static pool of engines; replaces url when set.")
+    discovery: DiscoveryConfig | None = None
+
+    def static_urls(self) -> list[str]:
+        """The engines known without asking DNS."""
+        return [u.rstrip("/") for u in (self.urls or [self.url])]
+
     connect_timeout_s: float = Field(5.0, gt=0)
     timeout_s: float = Field(
         600.0,
@@ -303,7 +323,15 @@ class GatewayConfig(_Model):
         for flag, value in flags.items():
             if value is None:
                 continue
-            if flag in mapping:
+            if flag == "upstream" and isinstance(value, list):  # --upstream given once or more
+                if len(value) == 1:
+                    data["upstream"]["url"], data["upstream"]["urls"] = value[0], []
+                else:
+                    data["upstream"]["url"], data["upstream"]["urls"] = value[0], list(value)
+            elif flag == "upstream_dns":
+                host, _, port = str(value).rpartition(":") if ":" in str(value) else (str(value), "", "")
+                data["upstream"]["discovery"] = {"dns": host, **({"port": int(port)} if port else {})}
+            elif flag in mapping:
                 section, key = mapping[flag]
                 data[section][key] = value
             else:

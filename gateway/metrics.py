@@ -44,6 +44,14 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
         "Learned output tokens per sequence at a quantile, over all finished requests",
         ("quantile",),
     ),
+    "kvgate_pool_engines": ("Engines in the pool, by state (placeable, ejected, leaving)", ("state",)),
+    "kvgate_engine_kv_usage_observed": ("KV cache usage (0..1) in an engine's latest sample", ("engine",)),
+    "kvgate_engine_kv_usage_projected": ("An engine's projected KV usage (0..1)", ("engine",)),
+    "kvgate_engine_reserved_blocks": ("KV blocks reserved on an engine by its in-flight requests", ("engine",)),
+    "kvgate_engine_inflight_requests": ("Requests placed on an engine and not yet finished", ("engine",)),
+    "kvgate_engine_gate_open": ("1 while an engine's hysteresis gate admits", ("engine",)),
+    "kvgate_engine_ejected": ("1 while an engine is ejected (refused connections or failing scrapes)", ("engine",)),
+    "kvgate_engine_num_blocks": ("An engine's KV pool in blocks (vllm:cache_config_info)", ("engine",)),
     "kvgate_tokenizer_info": (
         "1 for the tokenizer counting prompt tokens: kind (hf, tiktoken, vllm, heuristic) and source (model_dir, "
         "hf_cache, hf_download, path, tiktoken_cache, engine, builtin; pending until auto has chosen)",
@@ -52,6 +60,9 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 # Counters kept by pure code (no prometheus inside it), read the same way.
 STATE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kvgate_engine_placements": ("Requests placed on an engine (admitted there)", ("engine",)),
+    "kvgate_engine_ejections": ("Times an engine was ejected, by reason (scrape, connect)", ("engine", "reason")),
+    "kvgate_engine_restarts": ("Restarts seen on an engine (its counters went back)", ("engine",)),
     "kvgate_requests_outran_estimate": ("Requests that outran their expected output and grew their reservation", ()),
     "kvgate_tokenize_cache_lookups": (
         "Engine /tokenize counts looked up in the whole-request cache, by result (hit: no round trip)",

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.admission.controller import AdmissionController, Admitted, Queued, UsageSample
+from gateway.admission.controller import DEFAULT_ENGINE, AdmissionController, Admitted, Queued, UsageSample
 from gateway.admission.ledger import Reservation
 from gateway.admission.queue import PRIORITIES, QueueClass, Ticket
 from gateway.metrics import GatewayMetrics
@@ -199,15 +199,29 @@ class Admitter:
                     )
                 )
 
-    # --- the scraper's subscriber -------------------------------------------------------------------
+    # --- the scrapers' subscriber (one feed per engine) ---------------------------------------------------
 
-    def scrape_started(self) -> None:
-        self.controller.begin_sample()
+    def feed(self, engine: str) -> EngineFeed:
+        """What ``engine``'s scraper publishes to."""
+        return EngineFeed(self, engine)
 
-    def sample(self, sample: UsageSample) -> None:
-        self.controller.apply_sample(sample)
+    def scrape_started(self, engine: str = DEFAULT_ENGINE) -> None:
+        self.controller.begin_sample(engine)
+
+    def sample(self, sample: UsageSample, engine: str = DEFAULT_ENGINE) -> None:
+        verdict = self.controller.apply_sample(sample, engine)
+        if verdict.lost:  # the engine restarted: these died with it (their streams end in errors)
+            self.metrics.released.labels("engine_restart").inc(len(verdict.lost))
         self.pump()
         self._refuse_hopeless()
+
+    def scrape_failed(self, engine: str = DEFAULT_ENGINE) -> None:
+        self.controller.scrape_failed(self.clock(), engine)
+        self.pump()  # the stale policy may admit (or keep holding) by its own rules
+
+    def unreachable(self, engine: str) -> bool:
+        """A request placed on ``engine`` could not connect: eject it (in a pool). True if ejected."""
+        return self.controller.eject(engine, self.clock()) is not None
 
     def _refuse_hopeless(self) -> None:
         """Queued requests that can no longer be admitted within their budget hear so now."""
@@ -224,9 +238,6 @@ class Admitter:
                 future.set_exception(wait_predicted(retry_after, extra))
         self.pump()  # a refused ticket at the head may have held back one that fits
 
-    def scrape_failed(self) -> None:
-        self.pump()  # the stale policy may admit (or keep holding) by its own rules
-
     def fail_all_queued(self, error: Callable[[float], GatewayError]) -> None:
         """Answer every queued request with ``error`` (shutdown)."""
         now = self.clock()
@@ -236,6 +247,23 @@ class Admitter:
             self.controller.cancel(ticket)
             if not future.done():
                 future.set_exception(error(self.controller.retry_after(1, now)))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFeed:
+    """One engine's scraper publishes here; the admitter hears which engine spoke."""
+
+    admitter: Admitter
+    engine: str
+
+    def scrape_started(self) -> None:
+        self.admitter.scrape_started(self.engine)
+
+    def sample(self, sample: UsageSample) -> None:
+        self.admitter.sample(sample, self.engine)
+
+    def scrape_failed(self) -> None:
+        self.admitter.scrape_failed(self.engine)
 
 
 def _rounded(seconds: float | None) -> float | None:

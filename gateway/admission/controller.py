@@ -1,16 +1,15 @@
-"""Admission: admit, queue or reject a request by its KV-block cost. Pure: time comes in as ``now``.
+"""Admission: admit, queue or reject a request by its KV-block cost, and place it on an engine of the pool.
+Pure: time comes in as ``now``.
 
-Projected usage, in blocks, is what the engine may hold if we admit this request:
+Each engine keeps its own books (:mod:`gateway.admission.engine`: gate, ledger, geometry, last sample). A
+request is placed on the engine where it fits with the most headroom left after it (projected usage, not the
+last sample); there is one queue for the whole pool (priority classes and tenant fairness as in
+:mod:`gateway.admission.queue`), served the moment any engine has room. A pool of one engine is the sidecar
+layout, and the convenience properties ``ledger``, ``gate`` and ``sample`` read its books.
 
-* ``A`` = the last sample + the ledger's outstanding blocks (requests admitted since that sample, and the
-  output that in-flight requests may still grow into) + this request;
-* when the gateway is the engine's only client (``exclusive_upstream``), also ``B`` = every block the ledger
-  has reserved + this request, a hard upper bound that, unlike ``A``, drops the moment a request ends.
-
-A request is admitted when the gate is open and ``min(A, B) <= high x total``. So neither a burst that lands
-between two scrapes nor decode growth can push real usage past the high watermark. With stale metrics the
-``ledger`` policy admits against ``B`` alone under a lower cap; ``hold`` admits nothing. Either way a queued
-request leaves by its deadline, so nothing waits forever.
+What is learned is the pool's: output lengths (the same model behind every engine), the finish rate that
+queue ETAs and Retry-After come from, and how cautious the estimate is. A queued request leaves by its
+deadline, so nothing waits forever.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.admission.engine import EngineBook, SampleVerdict, UsageSample
 from gateway.admission.gate import HysteresisGate
 from gateway.admission.ledger import ENGINE_LEAD_TOKENS, Ledger, Reservation
 from gateway.admission.output_lengths import OutputLengths
@@ -27,17 +27,9 @@ from gateway.admission.queue import AdmissionQueue, QueueClass, Refused, Ticket
 from gateway.config import AdmissionConfig
 from gateway.tokens.cost import KvGeometry, RequestCost
 
+__all__ = ["AdmissionController", "Admitted", "Decision", "Queued", "Rejected", "UsageSample"]
 
-@dataclass(frozen=True, slots=True)
-class UsageSample:
-    """One scrape of the engine, already aggregated over data-parallel engines."""
-
-    usage: float
-    taken_at: float
-    geometry: KvGeometry | None = None
-    running: float = 0.0
-    waiting: float = 0.0
-    preemptions: float = 0.0
+DEFAULT_ENGINE = ""  # the one engine of a pool of one
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,79 +163,141 @@ def teaches(res: Reservation) -> bool:
 
 
 class AdmissionController:
-    def __init__(self, config: AdmissionConfig, geometry: KvGeometry | None = None) -> None:
+    def __init__(
+        self, config: AdmissionConfig, geometry: KvGeometry | None = None, engines: tuple[str, ...] = (DEFAULT_ENGINE,)
+    ) -> None:
         self.config = config
-        self.gate = HysteresisGate(config.high_watermark, config.low_watermark)
         self.queue = AdmissionQueue(config.queue_max_length, config.queue_max_bytes)
-        self.geometry = geometry
-        self.ledger = Ledger(geometry.block_size if geometry else 16)
-        self.sample: UsageSample | None = None
+        self.geometry_override = geometry  # the operator's: every engine is taken to have this pool
+        self.engines: dict[str, EngineBook] = {}
+        for name in engines:
+            self.add_engine(name)
         self.drain = DrainRate()
-        self._geometry_pinned = geometry is not None
         est = config.output_estimate
         self.lengths = OutputLengths(window=est.window, min_samples=est.min_samples)
         self.caution = Caution(est.quantile, est.relax_after_s)
         self.outran = 0  # requests that outran their estimate (and grew their reservation)
         self.returns = ReturnBook()
 
+    # --- the pool -----------------------------------------------------------------------------------
+
+    def add_engine(self, name: str) -> EngineBook:
+        """An engine joins (or one that was leaving comes back)."""
+        book = self.engines.get(name)
+        if book is None:
+            book = self.engines[name] = EngineBook(name, self.config, self.geometry_override)
+        book.leaving = False
+        return book
+
+    def remove_engine(self, name: str) -> None:
+        """An engine left the pool: nothing new goes there, its books go once its requests have ended."""
+        book = self.engines.get(name)
+        if book is not None:
+            book.leaving = True
+            self._forget_if_done(book)
+
+    def _forget_if_done(self, book: EngineBook) -> None:
+        if book.leaving and len(book.ledger) == 0:
+            del self.engines[book.name]
+
+    @property
+    def only(self) -> EngineBook:
+        """The engine of a pool of one (the sidecar layout)."""
+        if len(self.engines) != 1:
+            raise LookupError(f"a pool of {len(self.engines)} engines has no single engine")
+        return next(iter(self.engines.values()))
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.only.ledger
+
+    @property
+    def gate(self) -> HysteresisGate:
+        return self.only.gate
+
+    @property
+    def sample(self) -> UsageSample | None:
+        return self.only.sample
+
+    @property
+    def geometry(self) -> KvGeometry | None:
+        """What a request is priced against: the block size the engines share, and the largest engine's pool
+        (a request that fits none of them never fits)."""
+        known = [b.geometry for b in self.engines.values() if b.geometry is not None]
+        if not known:
+            return None
+        return KvGeometry(block_size=known[0].block_size, num_blocks=max(g.num_blocks for g in known))
+
+    def in_flight(self) -> int:
+        return sum(len(b.ledger) for b in self.engines.values())
+
     # --- telemetry in -------------------------------------------------------------------------------
 
-    def begin_sample(self) -> None:
-        self.ledger.begin_sample()
+    def begin_sample(self, engine: str = DEFAULT_ENGINE) -> None:
+        book = self.engines.get(engine)
+        if book is not None:
+            book.begin_sample()
 
-    def apply_sample(self, sample: UsageSample) -> None:
-        if sample.geometry is not None and not self._geometry_pinned:
-            self.geometry = sample.geometry
-            self.ledger.set_block_size(sample.geometry.block_size)
-        previous = self.sample
-        self.sample = sample
-        self.ledger.commit_sample()
-        self.gate.observe(sample.usage)
-        preempted = previous is not None and sample.preemptions > previous.preemptions
-        # Only trouble our own estimates could have caused: with nothing of ours in flight, a preempting engine
-        # is someone else's doing (traffic around the gateway), and reserving more would not help.
-        # Usage a block or two past the watermark is rounding; halfway to a full pool is an overshoot.
-        overshoot = sample.usage > (1 + self.config.high_watermark) / 2
-        ours = len(self.ledger) > 0
-        self.caution.observe(sample.taken_at, ours and (preempted or overshoot))
+    def apply_sample(self, sample: UsageSample, engine: str = DEFAULT_ENGINE) -> SampleVerdict:
+        book = self.engines.get(engine)
+        if book is None:
+            return SampleVerdict(False)
+        verdict = book.apply_sample(sample)
+        self.caution.observe(sample.taken_at, verdict.trouble)
+        self._forget_if_done(book)
         self.lengths.set_in_flight(
-            (res.key, res.generated) for res in self.ledger.live() if res.first_token_at is not None and teaches(res)
+            (res.key, res.generated)
+            for b in self.engines.values()
+            for res in b.ledger.live()
+            if res.first_token_at is not None and teaches(res)
         )
+        return verdict
+
+    def scrape_failed(self, now: float, engine: str = DEFAULT_ENGINE) -> bool:
+        """True if the failure ejected the engine (only in a pool: a lone engine keeps the stale policy)."""
+        book = self.engines.get(engine)
+        return book is not None and book.scrape_failed(now, pooled=len(self.engines) > 1)
+
+    def eject(self, engine: str, now: float) -> float | None:
+        """The engine refused a connection: place nothing there for a while (only in a pool). The backoff."""
+        book = self.engines.get(engine)
+        if book is None or len(self.engines) < 2:
+            return None
+        return book.eject(now, "connect")
 
     def is_stale(self, now: float) -> bool:
-        return self.sample is None or now - self.sample.taken_at > self.config.stale_after_s
+        """No engine has a fresh picture."""
+        return all(b.is_stale(now) for b in self.engines.values())
 
     # --- the decision -------------------------------------------------------------------------------
 
-    def projected_blocks(self, extra_blocks: int, now: float) -> int | None:
-        """Blocks the engine may hold if ``extra_blocks`` more are admitted; None if unknowable."""
-        if self.geometry is None:
-            return None
-        ledger = self.ledger
-        if self.is_stale(now):  # no fresh picture of the engine: trust nothing but whole reservations
-            return ledger.reserved_blocks + extra_blocks if self.config.stale_policy == "ledger" else None
-        ours = ledger.peak_blocks() if self.config.growth_model == "lockstep" else ledger.reserved_blocks
-        bound = ours + extra_blocks
-        if self.config.exclusive_upstream:
-            return bound
-        assert self.sample is not None
-        # Whatever the sample shows beyond what we know to be ours belongs to someone else.
-        external = max(0, round(self.sample.usage * self.geometry.num_blocks) - ledger.in_sample_blocks)
-        return external + bound
+    def place(self, blocks: int, now: float) -> tuple[EngineBook, float] | None:
+        """The engine where ``blocks`` more fit with the most headroom left after them, and its projected
+        usage then; None when no engine has room. A stale engine is chosen only when no fresh one fits."""
+        best: tuple[bool, float, EngineBook] | None = None
+        for book in self.engines.values():
+            if not book.placeable:
+                continue
+            usage = book.fits(blocks, now)
+            if usage is None:
+                continue
+            candidate = (book.is_stale(now), usage, book)
+            if best is None or candidate[:2] < best[:2]:
+                best = candidate
+        return None if best is None else (best[2], best[1])
 
     def fits(self, blocks: int, now: float) -> float | None:
-        """The projected usage (0..1) with ``blocks`` more admitted, if that may be admitted now; else None."""
-        projected = self.projected_blocks(blocks, now)
-        if projected is None or self.geometry is None:
-            return None
-        if self.is_stale(now):
-            ok = projected <= self.config.stale_ledger_cap * self.geometry.num_blocks
-        else:
-            ok = self.gate.is_open and projected <= self.config.high_watermark * self.geometry.num_blocks
-        return projected / self.geometry.num_blocks if ok else None
+        """The projected usage (0..1) of the engine ``blocks`` more would be placed on, if any has room."""
+        placed = self.place(blocks, now)
+        return None if placed is None else placed[1]
+
+    def projected_blocks(self, extra_blocks: int, now: float) -> int | None:
+        """Of a pool of one: the blocks its engine may hold with ``extra_blocks`` more."""
+        return self.only.projected_blocks(extra_blocks, now)
 
     def _reserve(
         self,
+        book: EngineBook,
         cost: RequestCost,
         full: RequestCost,
         key: tuple[str, ...],
@@ -251,15 +305,16 @@ class AdmissionController:
         now: float,
         projected_usage: float,
     ) -> Reservation:
-        res = self.ledger.reserve(cost, tenant, now, full, key)
+        res = book.ledger.reserve(cost, tenant, now, full, key)
+        res.engine = book.name
+        book.placements += 1
         res.projected_usage = projected_usage  # what the decision saw, for the metrics
         return res
 
     def projected_usage(self, now: float) -> float | None:
-        projected = self.projected_blocks(0, now)
-        if projected is None or self.geometry is None:
-            return None
-        return projected / self.geometry.num_blocks
+        """The highest projected usage over the engines (None: none is known)."""
+        known = [u for b in self.engines.values() if (u := b.projected_usage(now)) is not None]
+        return max(known) if known else None
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -281,11 +336,9 @@ class AdmissionController:
         A queued ticket may be at the head already: the caller pumps right after."""
         qclass = qclass or QueueClass()
         expected = self.expected_cost(cost, key)
-        if (
-            not self.queue.waiting_at_or_above(qclass.priority)
-            and (usage := self.fits(expected.blocks, now)) is not None
-        ):
-            return Admitted(self._reserve(expected, cost, key, tenant, now, usage))
+        if not self.queue.waiting_at_or_above(qclass.priority) and (placed := self.place(expected.blocks, now)):
+            book, usage = placed
+            return Admitted(self._reserve(book, expected, cost, key, tenant, now, usage))
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         ahead = self.queue.prospective_position(tenant, qclass.priority, retry)
         predicted = self.predicted_wait(ahead, now)
@@ -317,9 +370,11 @@ class AdmissionController:
     def pump(self, now: float) -> list[tuple[Ticket, Reservation]]:
         """Admit from the head of the queue (highest class, fairest tenant) while the head fits."""
         admitted = []
-        while (head := self.queue.peek()) is not None and (usage := self.fits(head.cost.blocks, now)) is not None:
+        while (head := self.queue.peek()) is not None and (placed := self.place(head.cost.blocks, now)):
             self.queue.pop()
-            admitted.append((head, self._reserve(head.cost, head.full or head.cost, head.key, head.tenant, now, usage)))
+            book, usage = placed
+            full = head.full or head.cost
+            admitted.append((head, self._reserve(book, head.cost, full, head.key, head.tenant, now, usage)))
         return admitted
 
     def expire(self, now: float) -> list[Ticket]:
@@ -329,16 +384,19 @@ class AdmissionController:
         return self.queue.remove(ticket)
 
     def progress(self, res: Reservation, generated: int, now: float) -> None:
-        self.ledger.progress(res, generated, now)
+        book = self.engines.get(res.engine)
+        if book is None or res.released:
+            return
+        book.ledger.progress(res, generated, now)
         expected, full = res.cost.max_output, res.full.max_output
         if expected >= full:
             return  # holds its whole budget already
         seen = res.generated // max(1, res.cost.num_sequences)
-        if expected < full and seen + ENGINE_LEAD_TOKENS >= expected and self.geometry is not None:
+        if seen + ENGINE_LEAD_TOKENS >= expected and book.geometry is not None:
             # it outran its estimate: expect what the requests that went this far went on to, or its budget
             longer = self.lengths.quantile(res.key, self.caution.quantile, above=seen)
             cap = full if longer is None else max(longer, seen + 2 * ENGINE_LEAD_TOKENS)
-            self.ledger.resize(res, res.full.capped(cap, self.geometry.block_size))
+            book.ledger.resize(res, res.full.capped(cap, book.geometry.block_size))
             if not res.outran:
                 res.outran = True
                 self.outran += 1
@@ -370,10 +428,12 @@ class AdmissionController:
             self.lengths.observe(res.key, completion_tokens)
 
     def release(self, res: Reservation, now: float) -> bool:
-        released = self.ledger.release(res)
-        if released:
-            self.drain.record(now)
-        return released
+        book = self.engines.get(res.engine)
+        if book is None or not book.ledger.release(res):
+            return False
+        self.drain.record(now)
+        self._forget_if_done(book)
+        return True
 
     # --- telling clients when to come back ----------------------------------------------------------
 

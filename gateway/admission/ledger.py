@@ -32,6 +32,7 @@ class Reservation:
     admitted_at: float
     full: RequestCost
     key: tuple[str, ...] = ()
+    engine: str = ""  # the engine of the pool it was placed on
     outran: bool = False  # has grown past its first estimate
     first_token_at: float | None = None
     generated: int = 0
@@ -102,6 +103,14 @@ class Ledger:
         self._in_sample_blocks -= res.in_sample_blocks
         self.released_count += 1
         return True
+
+    def drop_all(self) -> tuple[Reservation, ...]:
+        """The engine restarted: every reservation died with it. Each is released here (a later
+        :meth:`release` of one of them answers False), and returned."""
+        lost = tuple(self._live.values())
+        for res in lost:
+            self.release(res)
+        return lost
 
     def begin_sample(self) -> None:
         """A scrape starts now: note how much of each request the engine certainly holds at this moment."""

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 
 from gateway.admission.admitter import Admitter
 from gateway.admission.controller import AdmissionController
+from gateway.admission.engine import EngineBook
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics, Reading
 from gateway.protocol.errors import shutting_down
@@ -34,8 +35,8 @@ from gateway.tokens.counting import TokenCounter
 from gateway.tokens.estimator import CostEstimator
 from gateway.tokens.resolve import build_counter
 from gateway.tokens.tokenizers import HeuristicTokenizer
-from gateway.upstream.forwarder import Forwarder
-from gateway.upstream.scraper import ModelInfo, Scraper
+from gateway.upstream.pool import EnginePool
+from gateway.upstream.scraper import ModelInfo
 from gateway.upstream.session import UpstreamSession
 
 log = logging.getLogger("kvgate")
@@ -58,37 +59,27 @@ class Gateway:
         self.metrics = GatewayMetrics()
         m = config.model
         override = KvGeometry(m.block_size, m.num_gpu_blocks) if m.block_size and m.num_gpu_blocks else None
-        self.controller = AdmissionController(config.admission, override)
+        self.controller = AdmissionController(config.admission, override, engines=())
         self.admitter = Admitter(self.controller, self.metrics, clock)
         self.policy = self._policy(config, version=1)
         self.counters = TenantCounters(
             config.redis, self.metrics, clock, default_max_waiters=config.admission.queue_max_length
         )
         self.session = UpstreamSession(config.upstream.max_connections)
-        self.forwarder = Forwarder(
-            config.upstream.url,
+        self.pool = EnginePool(
+            config,
+            self.admitter,
             self.metrics,
-            timeout_s=config.upstream.timeout_s,
-            connect_timeout_s=config.upstream.connect_timeout_s,
-            max_connections=config.upstream.max_connections,
-            max_header_bytes=config.upstream.max_response_header_bytes,
-        )
-        self.scraper = Scraper(
-            config.upstream.url,
             self.session,
-            self.metrics,
-            interval_s=config.telemetry.scrape_interval_s,
-            timeout_s=config.telemetry.scrape_timeout_s,
             geometry_override=override,
             clock=clock,
             on_model=self._on_model,
         )
-        self.scraper.subscribe(self.admitter)
         self.tokenize_cache = CountCache()  # outlives the counters: its hit/miss totals are counters
         self.costs = CostEstimator(
             TokenCounter(HeuristicTokenizer(), source="pending"),
             geometry=lambda: self.controller.geometry,
-            max_model_len=lambda: config.model.max_model_len or self.scraper.model.max_model_len,
+            max_model_len=lambda: config.model.max_model_len or self.pool.model.max_model_len,
             high_watermark=config.admission.high_watermark,
         )
         self.draining = False
@@ -97,7 +88,7 @@ class Gateway:
             costs=self.costs,
             counters=self.counters,
             admitter=self.admitter,
-            forwarder=self.forwarder,
+            engines=self.pool,
             limits=config.limits,
             passthrough=config.passthrough,
             upstream_api_key=config.upstream.api_key,
@@ -143,8 +134,7 @@ class Gateway:
     async def startup(self) -> None:
         if self.config.tokenizer != "auto":
             await self._resolve_tokenizer()  # an explicit tokenizer that cannot load stops start-up, loudly
-        await self.scraper.scrape_once()
-        self._tasks.append(asyncio.create_task(self.scraper.run(), name="kvgate-scraper"))
+        await self.pool.start()
         await self.counters.start()
         if self.config_path is not None and self.config.reload.enabled:
             watcher = ConfigWatcher(self.config_path, self.config.reload.interval_s, self.apply_policy, self.metrics)
@@ -160,9 +150,9 @@ class Gateway:
         self.costs.counter = await build_counter(
             self.config.tokenizer,
             session=self.session(),
-            upstream=self.config.upstream.url,
-            model_root=self.scraper.model.root,
-            model_id=self.scraper.model.id,
+            upstream=first.url if (first := self.pool.first) is not None else self.config.upstream.url,
+            model_root=self.pool.model.root,
+            model_id=self.pool.model.id,
             download=self.config.tokenizer_download,
             offload_chars=self.config.limits.offload_tokenize_chars,
             cache=self.tokenize_cache,
@@ -193,7 +183,7 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.counters.close()
-        await self.forwarder.close()
+        await self.pool.close()
         await self.session.close()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
@@ -219,30 +209,39 @@ class Gateway:
         if self.controller.geometry is None:
             return False, "KV-cache geometry unknown (no vllm:cache_config_info yet)"
         if self.controller.is_stale(self.clock()):
-            return False, f"upstream metrics stale ({self.scraper.last_error or 'no sample yet'})"
+            return False, f"upstream metrics stale ({self.pool.last_error or 'no sample yet'})"
         return True, "ok"
 
     def _gauge_readings(self) -> Iterator[Reading]:
-        """Every gauge, read from the state that owns it (see :class:`gateway.metrics.StateGauges`)."""
+        """Every gauge, read from the state that owns it (see :class:`gateway.metrics.StateGauges`). The
+        unlabelled engine gauges are the pool's (a pool of one: its engine's); ``kvgate_engine_*`` are each
+        engine's, labelled by its URL, and leave with it."""
         c = self.controller
-        yield "kvgate_gate_open", (), 1.0 if c.gate.is_open else 0.0
-        if c.sample is not None:
-            yield "kvgate_kv_usage_observed", (), c.sample.usage
-        projected = c.projected_usage(self.clock())
+        now = self.clock()
+        books = list(c.engines.values())
+        yield "kvgate_gate_open", (), 1.0 if any(b.gate.is_open for b in books) else 0.0
+        observed = pool_usage(books)
+        if observed is not None:
+            yield "kvgate_kv_usage_observed", (), observed
+        projected = c.projected_usage(now)
         if projected is not None:
             yield "kvgate_kv_usage_projected", (), projected
-        yield "kvgate_reserved_blocks", (), float(c.ledger.reserved_blocks)
-        yield "kvgate_inflight_requests", (), float(len(c.ledger))
+        yield "kvgate_reserved_blocks", (), float(sum(b.ledger.reserved_blocks for b in books))
+        yield "kvgate_inflight_requests", (), float(c.in_flight())
         yield "kvgate_queue_depth", (), float(len(c.queue))
         depths = c.queue.tenant_lengths()
         self._tenants_seen |= depths.keys()
         for tenant in sorted(self._tenants_seen):
             yield "kvgate_tenant_queue_depth", (tenant,), float(depths.get(tenant, 0))
-        yield "kvgate_upstream_metrics_age_seconds", (), min(self.scraper.age(), 1e9)
-        latest = self.scraper.latest
-        if latest is not None:
-            yield "kvgate_upstream_requests_running", (), latest.running
-            yield "kvgate_upstream_requests_waiting", (), latest.waiting
+        yield "kvgate_upstream_metrics_age_seconds", (), min(self.pool.age(), 1e9)
+        samples = [b.sample for b in books if b.sample is not None]
+        if samples:
+            yield "kvgate_upstream_requests_running", (), sum(x.running for x in samples)
+            yield "kvgate_upstream_requests_waiting", (), sum(x.waiting for x in samples)
+        for state in ("placeable", "ejected", "leaving"):
+            yield "kvgate_pool_engines", (state,), float(sum(1 for b in books if engine_state(b) == state))
+        for b in books:
+            yield from engine_readings(b, now)
         yield "kvgate_ready", (), 1.0 if self.is_ready()[0] else 0.0
         redis = self.counters.redis
         yield "kvgate_redis_up", (), 1.0 if redis is not None and redis.healthy else 0.0
@@ -269,14 +268,25 @@ class Gateway:
         async def readyz() -> JSONResponse:
             ready, reason = self.is_ready()
             c = self.controller
+            books = list(c.engines.values())
+            age = self.pool.age()
             body = {
                 "ready": ready,
                 "reason": reason,
-                "gate_open": c.gate.is_open,
-                "kv_usage": c.sample.usage if c.sample else None,
-                "metrics_age_s": None if self.scraper.last_success is None else round(self.scraper.age(), 3),
+                "gate_open": any(b.gate.is_open for b in books),
+                "kv_usage": pool_usage(books),
+                "metrics_age_s": None if age == float("inf") else round(age, 3),
                 "queue_depth": len(c.queue),
-                "inflight": len(c.ledger),
+                "inflight": c.in_flight(),
+                "engines": [
+                    {
+                        "url": b.name,
+                        "state": engine_state(b),
+                        "kv_usage": b.sample.usage if b.sample else None,
+                        "inflight": len(b.ledger),
+                    }
+                    for b in books
+                ],
                 "tokenizer": self.costs.counter.name,
                 "limits": self.counters.status(),
                 "policy_version": self.policy.version,
@@ -288,3 +298,39 @@ class Gateway:
             return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
         return app
+
+
+def pool_usage(books: list[EngineBook]) -> float | None:
+    """The pool's KV usage: used blocks over all blocks of the engines that reported (a plain mean while a
+    pool size is unknown)."""
+    seen = [(b.sample.usage, b.geometry) for b in books if b.sample is not None]
+    if not seen:
+        return None
+    if all(g is not None for _, g in seen):
+        total = sum(g.num_blocks for _, g in seen if g is not None)
+        return sum(u * g.num_blocks for u, g in seen if g is not None) / max(1, total)
+    return sum(u for u, _ in seen) / len(seen)
+
+
+def engine_state(book: EngineBook) -> str:
+    return "leaving" if book.leaving else "ejected" if book.ejected else "placeable"
+
+
+def engine_readings(book: EngineBook, now: float) -> Iterator[Reading]:
+    """One engine's gauges and counters, labelled by its URL."""
+    label = (book.name,)
+    if book.sample is not None:
+        yield "kvgate_engine_kv_usage_observed", label, book.sample.usage
+    projected = book.projected_usage(now)
+    if projected is not None:
+        yield "kvgate_engine_kv_usage_projected", label, projected
+    if book.geometry is not None:
+        yield "kvgate_engine_num_blocks", label, float(book.geometry.num_blocks)
+    yield "kvgate_engine_reserved_blocks", label, float(book.ledger.reserved_blocks)
+    yield "kvgate_engine_inflight_requests", label, float(len(book.ledger))
+    yield "kvgate_engine_gate_open", label, 1.0 if book.gate.is_open else 0.0
+    yield "kvgate_engine_ejected", label, 1.0 if book.ejected else 0.0
+    yield "kvgate_engine_placements", label, float(book.placements)
+    yield "kvgate_engine_restarts", label, float(book.restarts)
+    for reason, count in book.ejections.items():
+        yield "kvgate_engine_ejections", (book.name, reason), float(count)

@@ -104,6 +104,37 @@ class Exchange:
         self._stage = "waiting"
 
     @property
+    def engine(self) -> str:
+        """The engine of the pool the request was placed on."""
+        assert self.admission is not None, "admit() comes first"
+        return self.admission.reservation.engine
+
+    async def place_again(self) -> bool:
+        """The engine refused the connection, so nothing was sent: eject it and place the request again, on
+        another engine, with what is left of its wait budget (its reservation there is given back first).
+        False in a pool of one, where there is nowhere else to go."""
+        assert self.admission is not None and self.cost is not None
+        if not self._admitter.unreachable(self.engine):
+            return False
+        self.reached_engine = False
+        self._admitter.release(self.admission.reservation, "engine_unreachable")
+        waited = self.slot_wait_s + self.admission.waited_s
+        tenant = self._tenant()
+        self.admission = None
+        self._stage = "queued"
+        self.admission = await self._admitter.acquire(
+            self.cost,
+            tenant.tenant,
+            max(0.0, self.wait_budget_s - waited),
+            tenant.qclass,
+            self.body_bytes,
+            self.key,
+            retry=True,
+        )
+        self._stage = "waiting"
+        return True
+
+    @property
     def wait_budget_s(self) -> float:
         return self._tenant().wait_budget(self.client.wait_s)
 

@@ -30,7 +30,8 @@ from gateway.tenants.auth import AdminKeys
 from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import Policy
 from gateway.tokens.estimator import CostEstimator
-from gateway.upstream.forwarder import Forwarder, upstream_headers
+from gateway.upstream.forwarder import EngineUnreachable, upstream_headers
+from gateway.upstream.pool import EnginePool
 
 log = logging.getLogger("kvgate.request")
 
@@ -45,7 +46,7 @@ class RequestPath:
         costs: CostEstimator,
         counters: TenantCounters,
         admitter: Admitter,
-        forwarder: Forwarder,
+        engines: EnginePool,
         limits: RequestLimitsConfig,
         passthrough: PassthroughConfig,
         upstream_api_key: str | None,
@@ -56,7 +57,7 @@ class RequestPath:
         self.costs = costs
         self.counters = counters
         self.admitter = admitter
-        self.forwarder = forwarder
+        self.engines = engines
         self.limits = limits
         self.allowed = frozenset(passthrough.allow)
         self.admin_keys = AdminKeys(passthrough.admin_api_keys)
@@ -137,16 +138,19 @@ class RequestPath:
             raise shutting_down(1.0)
         await exchange.take_slot()
         await exchange.admit()
-        # 6. forward and stream
-        exchange.sending()
-        exchange.usage = await self.forwarder.inference(
-            target,
-            raw,
-            upstream_headers(scope["headers"], exchange.request_id, self.upstream_api_key),
-            exchange.writer,
-            exchange.reply_headers(),
-            exchange.progress,
-        )
+        # 6. forward and stream, on the engine it was placed on. An engine that refused the connection got
+        #    nothing of it: that engine is ejected and the request placed again (a pool of one answers 503)
+        headers = upstream_headers(scope["headers"], exchange.request_id, self.upstream_api_key)
+        while True:
+            exchange.sending()
+            try:
+                exchange.usage = await self.engines.forwarder(exchange.engine).inference(
+                    target, raw, headers, exchange.writer, exchange.reply_headers(), exchange.progress
+                )
+                break
+            except EngineUnreachable:
+                if not await exchange.place_again():
+                    raise
         # 7. settle and release: when the exchange closes, however the request ended
 
     async def passthrough(
@@ -157,7 +161,7 @@ class RequestPath:
         watch.start()
         headers = upstream_headers(scope["headers"], exchange.request_id, self.upstream_api_key)
         exchange.sending()
-        await self.forwarder.passthrough(scope["method"], target, body, headers, exchange.writer)
+        await self.engines.any_forwarder().passthrough(scope["method"], target, body, headers, exchange.writer)
 
 
 def raw_path_of(scope: dict[str, Any]) -> str:

@@ -57,6 +57,7 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
     base = load_config(args.config) if args.config else GatewayConfig()
     return base.with_overrides(
         upstream=args.upstream,
+        upstream_dns=getattr(args, "upstream_dns", None),
         host=args.host,
         port=args.port,
         tokenizer=args.tokenizer,

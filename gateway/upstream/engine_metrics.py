@@ -22,6 +22,8 @@ RUNNING_METRIC = "vllm:num_requests_running"
 WAITING_METRIC = "vllm:num_requests_waiting"
 PREEMPTIONS_METRIC = "vllm:num_preemptions"  # family name; the sample is ``..._total``
 CACHE_CONFIG_METRIC = "vllm:cache_config_info"
+SUCCESS_METRIC = "vllm:request_success"  # family name; the samples are ``..._total``, one per finish reason
+START_TIME_METRIC = "process_start_time_seconds"  # the API server process: changes when the engine restarts
 
 _WANTED = (
     USAGE_METRIC,
@@ -30,6 +32,8 @@ _WANTED = (
     WAITING_METRIC,
     PREEMPTIONS_METRIC,
     CACHE_CONFIG_METRIC,
+    SUCCESS_METRIC,
+    START_TIME_METRIC,
 )
 _WANTED_SAMPLES = frozenset(
     {
@@ -40,6 +44,9 @@ _WANTED_SAMPLES = frozenset(
         PREEMPTIONS_METRIC + "_total",
         PREEMPTIONS_METRIC,
         CACHE_CONFIG_METRIC,
+        SUCCESS_METRIC,
+        SUCCESS_METRIC + "_total",
+        START_TIME_METRIC,
     }
 )
 
@@ -56,6 +63,8 @@ class EngineMetrics:
     waiting: float
     preemptions: float
     engines: int
+    served: float = 0.0  # vllm:request_success_total over every finish reason
+    started_at: float | None = None  # process_start_time_seconds
 
 
 def _keep(line: str) -> bool:
@@ -81,6 +90,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     blocks: dict[str, int] = {}
     block_size: int | None = None
     totals: dict[str, float] = defaultdict(float)
+    started_at: float | None = None
     for family in text_string_to_metric_families(filter_text(text)):
         for sample in family.samples:
             engine = sample.labels.get("engine", "0")
@@ -92,6 +102,10 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
                 totals[sample.name] += sample.value
             elif sample.name == PREEMPTIONS_METRIC + "_total":
                 totals[PREEMPTIONS_METRIC] += sample.value
+            elif sample.name == SUCCESS_METRIC + "_total":
+                totals[SUCCESS_METRIC] += sample.value
+            elif sample.name == START_TIME_METRIC:
+                started_at = sample.value
             elif sample.name == CACHE_CONFIG_METRIC:
                 if _int_label(sample.labels, "num_gpu_blocks") is not None:
                     blocks[engine] = _int_label(sample.labels, "num_gpu_blocks") or 0
@@ -114,6 +128,8 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         waiting=totals[WAITING_METRIC],
         preemptions=totals[PREEMPTIONS_METRIC],
         engines=len(per_engine),
+        served=totals[SUCCESS_METRIC],
+        started_at=started_at,
     )
 
 

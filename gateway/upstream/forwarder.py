@@ -18,7 +18,7 @@ from typing import Protocol
 import orjson
 
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.errors import GatewayError, engine_busy, upstream_unavailable
+from gateway.protocol.errors import GatewayError, engine_busy
 from gateway.upstream.http_client import ConnectFailed, Pool, Response, UpstreamError
 
 HOP_BY_HOP = frozenset(
@@ -230,10 +230,18 @@ class Forwarder:
             raise _upstream_failure(exc) from exc
 
 
+class EngineUnreachable(GatewayError):
+    """The engine refused (or never answered) the connection: nothing of the request was sent, so it may be
+    placed on another engine of the pool. Told to the client, it is a 503 ``upstream_unavailable``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(503, message, type="service_unavailable", code="upstream_unavailable", retry_after_s=1.0)
+
+
 def _upstream_failure(exc: BaseException) -> GatewayError:
     """What the client is told when the engine could not be reached or broke off (503, 504 or 502)."""
     if isinstance(exc, ConnectFailed):
-        return upstream_unavailable(f"The inference engine is unreachable: {exc}", 1.0)
+        return EngineUnreachable(f"The inference engine is unreachable: {exc}")
     if isinstance(exc, TimeoutError):
         return GatewayError(
             504, "The inference engine did not answer in time.", type="upstream_error", code="upstream_timeout"

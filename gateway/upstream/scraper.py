@@ -110,6 +110,8 @@ class Scraper:
             running=engine.running,
             waiting=engine.waiting,
             preemptions=engine.preemptions,
+            served=engine.served,
+            started_at=engine.started_at,
         )
         for subscriber in self.subscribers:
             subscriber.sample(sample)

@@ -1,0 +1,179 @@
+"""One engine's books: its gate, its ledger, its geometry and its last sample. Pure: time comes in as ``now``.
+
+Each engine of a pool is its own truth: vLLM pods may differ in pool size (``cache_config_info``), each is
+scraped on its own, and a request placed on one holds blocks there only. Projected usage, in blocks, is what
+the engine may hold if we admit this request:
+
+* ``A`` = the last sample + the ledger's outstanding blocks (requests admitted since that sample, and the
+  output that in-flight requests may still grow into) + this request;
+* when the gateway is the engine's only client (``exclusive_upstream``), also ``B`` = every block the ledger
+  has reserved + this request, a hard upper bound that, unlike ``A``, drops the moment a request ends.
+
+A request fits when the gate is open and ``min(A, B) <= high x total``. With stale metrics the ``ledger``
+policy admits against ``B`` alone under a lower cap; ``hold`` admits nothing.
+
+An engine of a pool that refuses connections, or whose scrapes keep failing, is *ejected*: nothing is placed
+on it for a backoff that doubles with each ejection in a row (1 s up to 60 s), and it rejoins with its first
+good sample after that. An engine whose counters went backwards restarted: whatever the ledger held there
+died with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.admission.gate import HysteresisGate
+from gateway.admission.ledger import Ledger, Reservation
+from gateway.config import AdmissionConfig
+from gateway.tokens.cost import KvGeometry
+
+EJECT_BASE_S = 1.0
+EJECT_MAX_S = 60.0
+SCRAPE_FAILURES_TO_EJECT = 3  # in a row: one lost scrape is noise, three are an engine in trouble
+
+
+@dataclass(frozen=True, slots=True)
+class UsageSample:
+    """One scrape of the engine, already aggregated over data-parallel engines. ``started_at`` is when the
+    engine's process started (None when it does not say); with ``served`` (requests it finished, a counter)
+    and ``preemptions`` it tells a restart from a busy engine."""
+
+    usage: float
+    taken_at: float
+    geometry: KvGeometry | None = None
+    running: float = 0.0
+    waiting: float = 0.0
+    preemptions: float = 0.0
+    served: float = 0.0
+    started_at: float | None = None
+
+    def restarted_since(self, previous: UsageSample) -> bool:
+        if self.started_at is not None and previous.started_at is not None:
+            return self.started_at != previous.started_at
+        return self.served < previous.served or self.preemptions < previous.preemptions
+
+
+@dataclass(frozen=True, slots=True)
+class SampleVerdict:
+    """What a sample said beyond the numbers: trouble our reservations may have caused (preemptions, or usage
+    well past the high watermark, while requests of ours were in flight), and whether the engine restarted
+    (``lost``: the reservations that died with it, released here)."""
+
+    trouble: bool
+    lost: tuple[Reservation, ...] = ()
+
+
+class EngineBook:
+    def __init__(self, name: str, config: AdmissionConfig, geometry: KvGeometry | None = None) -> None:
+        self.name = name
+        self.config = config
+        self.gate = HysteresisGate(config.high_watermark, config.low_watermark)
+        self.geometry = geometry
+        self.ledger = Ledger(geometry.block_size if geometry else 16)
+        self.sample: UsageSample | None = None
+        self._geometry_pinned = geometry is not None
+        self.leaving = False  # gone from discovery: nothing new is placed here; dropped once its ledger is empty
+        self.ejected_until: float | None = None
+        self.ejections_in_a_row = 0
+        self.scrape_failures = 0
+        # counters for the metrics, kept here so that they leave with the engine (label values stay bounded)
+        self.restarts = 0
+        self.placements = 0
+        self.ejections = {"scrape": 0, "connect": 0}
+
+    # --- telemetry in -------------------------------------------------------------------------------
+
+    def begin_sample(self) -> None:
+        self.ledger.begin_sample()
+
+    def apply_sample(self, sample: UsageSample) -> SampleVerdict:
+        if sample.geometry is not None and not self._geometry_pinned:
+            self.geometry = sample.geometry
+            self.ledger.set_block_size(sample.geometry.block_size)
+        previous = self.sample
+        self.sample = sample
+        self.scrape_failures = 0
+        if self.ejected_until is not None and sample.taken_at >= self.ejected_until:
+            self.ejected_until = None  # healthy again after its backoff: it rejoins
+        lost: tuple[Reservation, ...] = ()
+        if previous is not None and sample.restarted_since(previous):
+            self.restarts += 1
+            lost = self.ledger.drop_all()
+        self.ledger.commit_sample()
+        self.gate.observe(sample.usage)
+        preempted = previous is not None and not lost and sample.preemptions > previous.preemptions
+        # Usage a block or two past the watermark is rounding; halfway to a full pool is an overshoot.
+        overshoot = sample.usage > (1 + self.config.high_watermark) / 2
+        # Only trouble our own estimates could have caused: with nothing of ours in flight, a preempting engine
+        # is someone else's doing (traffic around the gateway), and reserving more would not help.
+        return SampleVerdict(len(self.ledger) > 0 and (preempted or overshoot), lost)
+
+    def scrape_failed(self, now: float, pooled: bool) -> bool:
+        """A scrape failed; in a pool (``pooled``), the third in a row ejects the engine. True if it did."""
+        self.scrape_failures += 1
+        if pooled and self.scrape_failures >= SCRAPE_FAILURES_TO_EJECT and not self.ejected:
+            self.eject(now, "scrape")
+            return True
+        return False
+
+    # --- health -------------------------------------------------------------------------------------
+
+    def eject(self, now: float, reason: str) -> float:
+        """Place nothing here for a backoff that doubles with each ejection in a row; returns the backoff.
+        ``reason``: scrape (its metrics kept failing) or connect (it refused a request's connection)."""
+        self.ejections[reason] += 1
+        backoff = min(EJECT_MAX_S, EJECT_BASE_S * 2.0**self.ejections_in_a_row)
+        self.ejections_in_a_row += 1
+        self.ejected_until = now + backoff
+        return backoff
+
+    @property
+    def ejected(self) -> bool:
+        """Ejected until its backoff is over and a good sample has come in since."""
+        return self.ejected_until is not None
+
+    @property
+    def placeable(self) -> bool:
+        return not self.leaving and not self.ejected
+
+    def served_well(self) -> None:
+        """A request placed here got its answer: the next ejection starts again from the shortest backoff."""
+        self.ejections_in_a_row = 0
+
+    # --- the decision -------------------------------------------------------------------------------
+
+    def is_stale(self, now: float) -> bool:
+        return self.sample is None or now - self.sample.taken_at > self.config.stale_after_s
+
+    def projected_blocks(self, extra_blocks: int, now: float) -> int | None:
+        """Blocks the engine may hold if ``extra_blocks`` more are admitted; None if unknowable."""
+        if self.geometry is None:
+            return None
+        ledger = self.ledger
+        if self.is_stale(now):  # no fresh picture of the engine: trust nothing but whole reservations
+            return ledger.reserved_blocks + extra_blocks if self.config.stale_policy == "ledger" else None
+        ours = ledger.peak_blocks() if self.config.growth_model == "lockstep" else ledger.reserved_blocks
+        bound = ours + extra_blocks
+        if self.config.exclusive_upstream:
+            return bound
+        assert self.sample is not None
+        # Whatever the sample shows beyond what we know to be ours belongs to someone else.
+        external = max(0, round(self.sample.usage * self.geometry.num_blocks) - ledger.in_sample_blocks)
+        return external + bound
+
+    def fits(self, blocks: int, now: float) -> float | None:
+        """The projected usage (0..1) with ``blocks`` more admitted, if that may be admitted now; else None."""
+        projected = self.projected_blocks(blocks, now)
+        if projected is None or self.geometry is None:
+            return None
+        if self.is_stale(now):
+            ok = projected <= self.config.stale_ledger_cap * self.geometry.num_blocks
+        else:
+            ok = self.gate.is_open and projected <= self.config.high_watermark * self.geometry.num_blocks
+        return projected / self.geometry.num_blocks if ok else None
+
+    def projected_usage(self, now: float) -> float | None:
+        projected = self.projected_blocks(0, now)
+        if projected is None or self.geometry is None:
+            return None
+        return projected / self.geometry.num_blocks
