@@ -1,0 +1,191 @@
+"""A pool of engines in the admission core: placement by headroom, one queue served by whichever engine has
+room, ejection and rejoining, restarts, engines leaving, and ledgers that stay exact across all of it."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.admission.controller import AdmissionController, Admitted, Queued, UsageSample
+from gateway.admission.engine import EJECT_BASE_S, SCRAPE_FAILURES_TO_EJECT
+from gateway.admission.ledger import Reservation
+from gateway.config import AdmissionConfig, OutputEstimateConfig
+from gateway.tokens.cost import KvGeometry, RequestCost
+
+CONFIG = AdmissionConfig(output_estimate=OutputEstimateConfig(enabled=False), exclusive_upstream=False)
+
+
+def pool(*sizes: int) -> AdmissionController:
+    """Engines e0, e1, ... with ``sizes`` blocks of 16 tokens, each sampled empty at t=0."""
+    c = AdmissionController(CONFIG, engines=())
+    for i, size in enumerate(sizes):
+        c.add_engine(f"e{i}")
+        sample(c, f"e{i}", 0.0, 0.0, size)
+    return c
+
+
+def sample(
+    c: AdmissionController, engine: str, usage: float, now: float, size: int = 100, served: float = 0.0
+) -> None:
+    c.begin_sample(engine)
+    c.apply_sample(UsageSample(usage, now, KvGeometry(16, size), served=served), engine)
+
+
+def req(blocks: int) -> RequestCost:
+    return RequestCost((blocks * 16 - 16,), 1, 16, blocks)  # prompt + 16 output tokens = ``blocks`` blocks
+
+
+def test_a_request_goes_where_the_most_headroom_is_left_after_it() -> None:
+    c = pool(100, 100)
+    sample(c, "e0", 0.5, 0.1)
+    sample(c, "e1", 0.2, 0.1)
+    first = c.submit(req(10), "t", 0.2)
+    assert isinstance(first, Admitted) and first.reservation.engine == "e1"
+    # the projection, not the last sample: e1 holds 0.2 + 0.1 now, e0 0.5; e1 keeps taking until they meet
+    placed = [c.submit(req(10), "t", 0.2) for _ in range(3)]
+    assert [d.reservation.engine for d in placed if isinstance(d, Admitted)] == ["e1", "e1", "e0"]
+
+
+def test_a_heterogeneous_pool_fills_by_fraction_not_by_blocks() -> None:
+    c = pool(200, 100)  # e1 has half the pool of e0
+    engines = []
+    for _ in range(9):
+        d = c.submit(req(10), "t", 0.1)
+        assert isinstance(d, Admitted)
+        engines.append(d.reservation.engine)
+    assert engines.count("e0") == 6 and engines.count("e1") == 3  # 60/200 and 30/100: the same fraction
+
+
+def test_one_queue_for_the_pool_served_by_whichever_engine_frees_room() -> None:
+    c = pool(100, 100)
+    held = [c.submit(req(45), "t", 0.1) for _ in range(4)]  # 2 per engine: 0.90 each, at the watermark
+    assert all(isinstance(d, Admitted) for d in held)
+    waiting = c.submit(req(30), "t", 0.1, max_wait_s=60.0)
+    assert isinstance(waiting, Queued)
+    freed = next(d.reservation for d in held if isinstance(d, Admitted) and d.reservation.engine == "e1")
+    c.release(freed, 0.2)
+    [(ticket, res)] = c.pump(0.2)
+    assert ticket is waiting.ticket and res.engine == "e1"
+
+
+def test_an_ejected_engine_takes_nothing_until_its_backoff_is_over_and_it_is_sampled_again() -> None:
+    c = pool(100, 100)
+    sample(c, "e1", 0.5, 0.1)  # e0 has more room, but it refused a connection
+    assert c.eject("e0", 1.0) == EJECT_BASE_S
+    assert all(d.reservation.engine == "e1" for d in [c.submit(req(5), "t", 1.1)] if isinstance(d, Admitted))
+    sample(c, "e0", 0.0, 1.5)  # healthy, but still inside its backoff
+    assert c.engines["e0"].ejected
+    assert c.eject("e0", 1.6) == 2 * EJECT_BASE_S  # a second ejection in a row waits twice as long
+    sample(c, "e0", 0.0, 3.7)
+    assert not c.engines["e0"].ejected
+    d = c.submit(req(5), "t", 3.8)
+    assert isinstance(d, Admitted) and d.reservation.engine == "e0"
+
+
+def test_failing_scrapes_eject_an_engine_of_a_pool_but_a_lone_engine_keeps_the_stale_policy() -> None:
+    c = pool(100, 100)
+    for i in range(SCRAPE_FAILURES_TO_EJECT - 1):
+        assert not c.scrape_failed(1.0 + i, "e0")
+    assert c.scrape_failed(5.0, "e0") and c.engines["e0"].ejected
+    lone = pool(100)
+    for i in range(10):
+        assert not lone.scrape_failed(1.0 + i, "e0")
+    assert lone.eject("e0", 1.0) is None  # nowhere else to go: a refused connection is the client's 503
+
+
+def test_an_engine_that_restarted_drops_what_died_with_it_and_each_reservation_is_released_once() -> None:
+    c = pool(100, 100)
+    sample(c, "e0", 0.0, 0.1, served=50)
+    sample(c, "e1", 0.5, 0.1, served=10)
+    held = [c.submit(req(10), "t", 0.2) for _ in range(3)]
+    on_e0 = [d.reservation for d in held if isinstance(d, Admitted) and d.reservation.engine == "e0"]
+    assert on_e0
+    c.begin_sample("e0")
+    verdict = c.apply_sample(UsageSample(0.0, 0.3, KvGeometry(16, 100), served=0), "e0")  # counters went back
+    assert list(verdict.lost) == on_e0 and len(c.engines["e0"].ledger) == 0
+    assert c.engines["e0"].ledger.reserved_blocks == 0 and c.engines["e0"].restarts == 1
+    assert not any(c.release(res, 0.4) for res in on_e0)  # already released when the engine went
+
+
+def test_an_engine_that_leaves_takes_nothing_new_and_its_books_go_when_its_requests_end() -> None:
+    c = pool(100, 100)
+    sample(c, "e1", 0.5, 0.1)
+    d = c.submit(req(10), "t", 0.2)
+    assert isinstance(d, Admitted) and d.reservation.engine == "e0"
+    c.remove_engine("e0")
+    later = c.submit(req(10), "t", 0.3)
+    assert isinstance(later, Admitted) and later.reservation.engine == "e1"
+    assert "e0" in c.engines  # its request is still running there
+    assert c.release(d.reservation, 0.4) and "e0" not in c.engines
+    c.add_engine("e0")  # it comes back (the DNS answer changed again)
+    assert "e0" in c.engines and not c.engines["e0"].leaving
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("submit"), st.integers(1, 60)),
+            st.tuples(st.just("release"), st.integers(0, 1000)),
+            st.tuples(st.just("sample"), st.integers(0, 2), st.floats(0, 1), st.booleans()),
+            st.tuples(st.just("eject"), st.integers(0, 2)),
+            st.tuples(st.just("fail"), st.integers(0, 2)),
+            st.tuples(st.just("leave"), st.integers(0, 2)),
+            st.tuples(st.just("join"), st.integers(0, 2)),
+        ),
+        max_size=80,
+    ),
+    st.integers(0, 2**32 - 1),
+)
+def test_every_reservation_is_released_exactly_once_and_the_books_stay_exact(
+    steps: list[tuple[object, ...]], seed: int
+) -> None:
+    """Whatever happens to the engines (samples, restarts, ejections, leaving, rejoining), each engine's
+    reserved blocks are the sum of its live reservations, a reservation is released at most once, and at the
+    end, with everything released, no engine holds anything."""
+    rng = random.Random(seed)
+    c = pool(100, 60, 140)
+    live: list[Reservation] = []
+    released = 0
+    now = 1.0
+    served = {f"e{i}": 100.0 for i in range(3)}
+    for step in steps:
+        now += 0.1
+        kind = step[0]
+        if kind == "submit":
+            d = c.submit(req(int(step[1])), "t", now, max_wait_s=1.0)  # type: ignore[call-overload]
+            if isinstance(d, Admitted):
+                live.append(d.reservation)
+            for _, res in c.pump(now):
+                live.append(res)
+            c.expire(now)
+        elif kind == "release" and live:
+            res = live.pop(int(step[1]) % len(live))  # type: ignore[call-overload]
+            if c.release(res, now):
+                released += 1
+            assert not c.release(res, now)
+        elif kind == "sample":
+            name = f"e{step[1]}"
+            served[name] = 0.0 if step[3] else served[name] + 1  # restarted, or served one more
+            sample(c, name, float(step[2]), now, 100, served[name])  # type: ignore[arg-type]
+        elif kind == "eject":
+            c.eject(f"e{step[1]}", now)
+        elif kind == "fail":
+            c.scrape_failed(now, f"e{step[1]}")
+        elif kind == "leave":
+            c.remove_engine(f"e{step[1]}")
+        elif kind == "join":
+            c.add_engine(f"e{step[1]}")
+        for name, book in c.engines.items():
+            mine = [r for r in live if r.engine == name and not r.released]
+            assert book.ledger.reserved_blocks == sum(r.blocks for r in mine)
+            assert len(book.ledger) == len(mine)
+    rng.shuffle(live)
+    for res in live:
+        c.release(res, now)
+    assert all(len(b.ledger) == 0 and b.ledger.reserved_blocks == 0 for b in c.engines.values())
+    assert sum(b.ledger.released_count for b in c.engines.values()) <= sum(
+        b.ledger.reserved_count for b in c.engines.values()
+    )
