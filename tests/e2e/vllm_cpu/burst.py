@@ -154,8 +154,17 @@ async def _one(client: openai.AsyncOpenAI, req: BurstRequest, t0: float) -> tupl
 
 async def run_burst(base_url: str, engine_url: str, burst: list[BurstRequest], hz: float = 20.0) -> BurstResult:
     """Send ``burst`` all at once to ``base_url`` (the engine or kvgate) while sampling ``engine_url``."""
-    before = await asyncio.to_thread(scrape, engine_url)
-    sampler = Sampler([(engine_url, (USAGE, RUNNING, WAITING))], hz)
+    (result,) = await run_burst_on_pool(base_url, [engine_url], burst, hz)
+    return result
+
+
+async def run_burst_on_pool(
+    base_url: str, engine_urls: list[str], burst: list[BurstRequest], hz: float = 20.0
+) -> list[BurstResult]:
+    """Send ``burst`` all at once to ``base_url`` while sampling every engine of ``engine_urls``: one result
+    per engine (its samples and preemptions; the requests, wall time and TTFTs are the burst's)."""
+    befores = [await asyncio.to_thread(scrape, url) for url in engine_urls]
+    sampler = Sampler([(url, (USAGE, RUNNING, WAITING)) for url in engine_urls], hz)
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600.0)
     await asyncio.to_thread(sampler.start)
     try:
@@ -165,33 +174,37 @@ async def run_burst(base_url: str, engine_url: str, burst: list[BurstRequest], h
         wall = time.monotonic() - t0
         await asyncio.sleep(0.2)  # one more sample after the last stream closed
     finally:
-        (readings,) = await asyncio.to_thread(sampler.stop)
+        per_engine = await asyncio.to_thread(sampler.stop)
         await client.close()
-    after = await asyncio.to_thread(scrape, engine_url)
-
-    # (t, usage, running, waiting) of every scrape that answered
-    samples = [(t, v[USAGE], v[RUNNING], v[WAITING]) for t, v in readings if v is not None]
-    span = samples[-1][0] - samples[0][0] if len(samples) > 1 else 0.0
+    afters = [await asyncio.to_thread(scrape, url) for url in engine_urls]
     oks = [r for r in results if not isinstance(r, BaseException)]
     errors = [f"{type(r).__name__}: {r}" for r in results if isinstance(r, BaseException)]
     ttfts = sorted(t for _, t in oks)
-    period = [b[0] - a[0] for a, b in itertools.pairwise(samples) if a[1] >= 0.95]
-    return BurstResult(
-        n=len(burst),
-        ok=len(oks),
-        errors=errors,
-        wall_s=round(wall, 2),
-        preemptions=metric_sum(after, PREEMPTIONS, default=0.0) - metric_sum(before, PREEMPTIONS, default=0.0),
-        max_kv_usage=round(max((s[1] for s in samples), default=float("nan")), 4),
-        seconds_at_or_above_095=round(sum(period), 2),
-        max_running=max((s[2] for s in samples), default=float("nan")),
-        max_waiting=max((s[3] for s in samples), default=float("nan")),
-        sample_rate_hz=round((len(samples) - 1) / span if span else 0.0, 1),
-        samples=len(samples),
-        ttft_p50_s=round(ttfts[len(ttfts) // 2], 2) if ttfts else float("nan"),
-        ttft_max_s=round(ttfts[-1], 2) if ttfts else float("nan"),
-        generated_tokens=sum(n for n, _ in oks),
-    )
+    out = []
+    for readings, before, after in zip(per_engine, befores, afters, strict=True):
+        # (t, usage, running, waiting) of every scrape that answered
+        samples = [(t, v[USAGE], v[RUNNING], v[WAITING]) for t, v in readings if v is not None]
+        span = samples[-1][0] - samples[0][0] if len(samples) > 1 else 0.0
+        period = [b[0] - a[0] for a, b in itertools.pairwise(samples) if a[1] >= 0.95]
+        out.append(
+            BurstResult(
+                n=len(burst),
+                ok=len(oks),
+                errors=errors,
+                wall_s=round(wall, 2),
+                preemptions=metric_sum(after, PREEMPTIONS, default=0.0) - metric_sum(before, PREEMPTIONS, default=0.0),
+                max_kv_usage=round(max((s[1] for s in samples), default=float("nan")), 4),
+                seconds_at_or_above_095=round(sum(period), 2),
+                max_running=max((s[2] for s in samples), default=float("nan")),
+                max_waiting=max((s[3] for s in samples), default=float("nan")),
+                sample_rate_hz=round((len(samples) - 1) / span if span else 0.0, 1),
+                samples=len(samples),
+                ttft_p50_s=round(ttfts[len(ttfts) // 2], 2) if ttfts else float("nan"),
+                ttft_max_s=round(ttfts[-1], 2) if ttfts else float("nan"),
+                generated_tokens=sum(n for n, _ in oks),
+            )
+        )
+    return out
 
 
 def main() -> None:
