@@ -236,6 +236,14 @@ class RedisConfig(_Model):
         30.0, gt=1, description="A concurrency slot of a replica that died frees itself after this long."
     )
     slot_poll_s: float = Field(0.02, gt=0, description="How often a request waiting for a shared slot retries.")
+    share_engine_reservations: bool = Field(
+        True,
+        description="Replicas claim each admission's blocks on its engine in Redis (an atomic script), so two "
+        "replicas admitting into one engine between two scrapes cannot overshoot together.",
+    )
+    reservation_lease_s: float = Field(
+        10.0, gt=1, description="A dead replica's claimed blocks free themselves after this long."
+    )
 
 
 class PassthroughConfig(_Model):

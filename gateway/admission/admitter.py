@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from gateway.admission.controller import DEFAULT_ENGINE, AdmissionController, Admitted, Queued, UsageSample
 from gateway.admission.ledger import Reservation
@@ -23,6 +24,15 @@ from gateway.admission.queue import PRIORITIES, QueueClass, Ticket
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError, queue_full, queue_timeout, wait_predicted
 from gateway.tokens.cost import RequestCost
+
+
+class SharedBooks(Protocol):
+    """Blocks in flight per engine, shared with the other gateway replicas (see
+    :mod:`gateway.tenants.shared_books`). None from either call: the shared books cannot say right now."""
+
+    async def claim(self, engine: str, member: str, blocks: int, limit: int) -> tuple[bool, int] | None: ...
+
+    async def restate(self, engine: str, held: dict[str, int]) -> int | None: ...
 
 
 @dataclass(slots=True)
@@ -52,10 +62,14 @@ class Admitter:
         controller: AdmissionController,
         metrics: GatewayMetrics,
         clock: Callable[[], float] = time.monotonic,
+        shared: SharedBooks | None = None,
     ) -> None:
         self.controller = controller
         self.metrics = metrics
         self.clock = clock
+        self.shared = shared  # other replicas' blocks per engine (Redis), when configured
+        self._background: set[asyncio.Task[None]] = set()
+        self._restating: set[str] = set()  # engines whose claims are being restated now
         self._waiters: dict[int, tuple[Ticket, asyncio.Future[Reservation], asyncio.TimerHandle]] = {}
 
     async def acquire(
@@ -68,9 +82,49 @@ class Admitter:
         key: tuple[str, ...] = (),
         retry: bool = False,
     ) -> Admission:
-        """Admit now, or wait in the queue until admitted (raises 429/503 when refused or out of time).
+        """Admit now, or wait in the queue until admitted (raises 429/503 when refused or out of time). With
+        shared books, the admission also claims its blocks for the other replicas to see; a claim refused
+        (they took the room meanwhile) gives the reservation back and queues again, ahead of first attempts.
 
         The caller owns the returned reservation and must :meth:`release` it."""
+        started = self.clock()
+        while True:
+            remaining = None if max_wait_s is None else max(0.0, max_wait_s - (self.clock() - started))
+            admission = await self._acquire_here(cost, tenant, remaining, qclass, body_bytes, key, retry)
+            if self.shared is None or await self._claimed(admission.reservation):
+                return admission
+            self.release(admission.reservation, "claim_refused")
+            retry = True
+
+    async def _claimed(self, res: Reservation) -> bool:
+        """Claim ``res``'s blocks in the shared books; False if the other replicas hold too much there now. A
+        cancellation meanwhile gives the reservation back (and the claim, if it was made)."""
+        assert self.shared is not None
+        book = self.controller.engines.get(res.engine)
+        if book is None:
+            return True
+        try:
+            answer = await self.shared.claim(res.engine, str(res.id), res.blocks, book.room_for_others(self.clock()))
+        except BaseException:
+            self.release(res, "client_disconnect")
+            raise
+        if answer is None:  # the shared books cannot say: this replica's own view decides
+            return True
+        claimed, others = answer
+        book.others_blocks = others
+        return claimed
+
+    async def _acquire_here(
+        self,
+        cost: RequestCost,
+        tenant: str,
+        max_wait_s: float | None,
+        qclass: QueueClass | None,
+        body_bytes: int,
+        key: tuple[str, ...],
+        retry: bool,
+    ) -> Admission:
+        """Admit now, or wait in the queue until admitted, by this replica's own books."""
         qclass = qclass or QueueClass()
         now = self.clock()
         decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass, body_bytes, key, retry)
@@ -163,8 +217,31 @@ class Admitter:
         if not self.controller.release(reservation, self.clock()):
             return False
         self.metrics.released.labels(outcome).inc()
+        if self.shared is not None:
+            self._spawn(self._restate(reservation.engine, {str(reservation.id): 0}))
         self.pump()
         return True
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _restate(self, engine: str, held: dict[str, int]) -> None:
+        assert self.shared is not None
+        others = await self.shared.restate(engine, held)
+        book = self.controller.engines.get(engine)
+        if others is not None and book is not None:
+            book.others_blocks = others
+
+    async def _restate_all(self, engine: str) -> None:
+        """After a sample: this replica's claims on ``engine`` now (what the sample shows taken off)."""
+        try:
+            book = self.controller.engines.get(engine)
+            if book is not None:
+                await self._restate(engine, book.unsampled())
+        finally:
+            self._restating.discard(engine)
 
     def progress(self, reservation: Reservation, generated: int) -> None:
         self.controller.progress(reservation, generated, self.clock())
@@ -212,6 +289,9 @@ class Admitter:
         verdict = self.controller.apply_sample(sample, engine)
         if verdict.lost:  # the engine restarted: these died with it (their streams end in errors)
             self.metrics.released.labels("engine_restart").inc(len(verdict.lost))
+        if self.shared is not None and engine not in self._restating:
+            self._restating.add(engine)
+            self._spawn(self._restate_all(engine))
         self.pump()
         self._refuse_hopeless()
 

@@ -72,6 +72,7 @@ class EngineBook:
         self.ledger = Ledger(geometry.block_size if geometry else 16)
         self.sample: UsageSample | None = None
         self._geometry_pinned = geometry is not None
+        self.others_blocks = 0  # other gateway replicas' blocks here that the last sample may not show
         self.leaving = False  # gone from discovery: nothing new is placed here; dropped once its ledger is empty
         self.ejected_until: float | None = None
         self.ejections_in_a_row = 0
@@ -151,9 +152,10 @@ class EngineBook:
             return None
         ledger = self.ledger
         if self.is_stale(now):  # no fresh picture of the engine: trust nothing but whole reservations
-            return ledger.reserved_blocks + extra_blocks if self.config.stale_policy == "ledger" else None
+            stale = ledger.reserved_blocks + extra_blocks + self.others_blocks
+            return stale if self.config.stale_policy == "ledger" else None
         ours = ledger.peak_blocks() if self.config.growth_model == "lockstep" else ledger.reserved_blocks
-        bound = ours + extra_blocks
+        bound = ours + extra_blocks + self.others_blocks
         if self.config.exclusive_upstream:
             return bound
         assert self.sample is not None
@@ -171,6 +173,19 @@ class EngineBook:
         else:
             ok = self.gate.is_open and projected <= self.config.high_watermark * self.geometry.num_blocks
         return projected / self.geometry.num_blocks if ok else None
+
+    def room_for_others(self, now: float) -> int:
+        """How many blocks other replicas may hold here, not yet in the sample, with what this replica holds
+        (the request just placed included) still under the cap: the limit of a shared claim."""
+        projected = self.projected_blocks(0, now)
+        if projected is None or self.geometry is None:
+            return 0
+        cap = self.config.stale_ledger_cap if self.is_stale(now) else self.config.high_watermark
+        return int(cap * self.geometry.num_blocks) - (projected - self.others_blocks)
+
+    def unsampled(self) -> dict[str, int]:
+        """Each live reservation's blocks that the last sample does not show yet, by reservation id."""
+        return {str(res.id): res.blocks - res.in_sample_blocks for res in self.ledger.live()}
 
     def projected_usage(self, now: float) -> float | None:
         projected = self.projected_blocks(0, now)

@@ -12,11 +12,13 @@ counters let tests check that nothing is left behind.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from gateway.tokens.cost import RequestCost
 
+_reservation_ids = itertools.count(1)  # unique in the process, across engines that come and go
 ENGINE_LEAD_TOKENS = 8  # how far a decoding sequence may be ahead of the tokens the gateway has relayed
 EXACT_LIMIT = 64  # decoding requests up to which the peak is computed exactly
 
@@ -50,7 +52,6 @@ class Ledger:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._live: dict[int, Reservation] = {}
-        self._next_id = 0
         self.reserved_blocks = 0
         self._in_sample_blocks = 0
         self.reserved_count = 0
@@ -71,8 +72,7 @@ class Ledger:
         full: RequestCost | None = None,
         key: tuple[str, ...] = (),
     ) -> Reservation:
-        self._next_id += 1
-        res = Reservation(self._next_id, cost, tenant, admitted_at=now, full=full or cost, key=key)
+        res = Reservation(next(_reservation_ids), cost, tenant, admitted_at=now, full=full or cost, key=key)
         self._live[res.id] = res
         self.reserved_blocks += res.blocks
         self.reserved_count += 1

@@ -29,6 +29,7 @@ from gateway.server.response import Send
 from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import Policy
 from gateway.tenants.reload import ConfigWatcher
+from gateway.tenants.shared_books import RedisEngineBooks
 from gateway.tokens.cost import KvGeometry
 from gateway.tokens.count_cache import CountCache
 from gateway.tokens.counting import TokenCounter
@@ -59,12 +60,18 @@ class Gateway:
         self.metrics = GatewayMetrics()
         m = config.model
         override = KvGeometry(m.block_size, m.num_gpu_blocks) if m.block_size and m.num_gpu_blocks else None
-        self.controller = AdmissionController(config.admission, override, engines=())
-        self.admitter = Admitter(self.controller, self.metrics, clock)
         self.policy = self._policy(config, version=1)
         self.counters = TenantCounters(
             config.redis, self.metrics, clock, default_max_waiters=config.admission.queue_max_length
         )
+        redis = self.counters.redis
+        shared = (
+            RedisEngineBooks(redis, config.redis.reservation_lease_s)
+            if redis is not None and config.redis.share_engine_reservations
+            else None
+        )
+        self.controller = AdmissionController(config.admission, override, engines=())
+        self.admitter = Admitter(self.controller, self.metrics, clock, shared)
         self.session = UpstreamSession(config.upstream.max_connections)
         self.pool = EnginePool(
             config,

@@ -129,6 +129,65 @@ return #KEYS
 """
 
 
+# Blocks in flight on one engine, per reservation of every replica, that the engine's own /metrics may not show
+# yet: KEYS[1] a sorted set (member -> lease expiry, ms, Redis time), KEYS[2] a hash (member -> blocks). Members
+# are "<replica>:<reservation>". ``others`` is the sum over the other replicas' unexpired members.
+_OTHERS = """
+local function others(leases, blocks, prefix, now)
+  local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
+  if #expired > 0 then
+    redis.call('ZREM', leases, unpack(expired))
+    redis.call('HDEL', blocks, unpack(expired))
+  end
+  local all = redis.call('HGETALL', blocks)
+  local sum = 0
+  for i = 1, #all, 2 do
+    if string.sub(all[i], 1, #prefix) ~= prefix then sum = sum + tonumber(all[i + 1]) end
+  end
+  return sum
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# Claim ``blocks`` for a new reservation if the other replicas' blocks fit under ``limit`` (what this replica's
+# own projection leaves for them). ARGV: prefix, member, blocks, limit, lease ms. Returns {claimed, others}.
+_CLAIM = (
+    _OTHERS
+    + """
+local prefix, member, blocks, limit, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local sum = others(KEYS[1], KEYS[2], prefix, now)
+if sum > limit then return {0, sum} end
+redis.call('ZADD', KEYS[1], now + lease, member)
+redis.call('HSET', KEYS[2], member, blocks)
+redis.call('PEXPIRE', KEYS[1], lease * 2)
+redis.call('PEXPIRE', KEYS[2], lease * 2)
+return {1, sum}
+"""
+)
+
+# Restate this replica's members (renewed leases, blocks the engine's metrics now show taken off; 0 removes).
+# ARGV: prefix, lease ms, then member, blocks pairs. Returns the other replicas' sum.
+_RESTATE = (
+    _OTHERS
+    + """
+local prefix, lease = ARGV[1], tonumber(ARGV[2])
+for i = 3, #ARGV, 2 do
+  local member, blocks = ARGV[i], tonumber(ARGV[i + 1])
+  if blocks > 0 then
+    redis.call('ZADD', KEYS[1], now + lease, member)
+    redis.call('HSET', KEYS[2], member, blocks)
+  else
+    redis.call('ZREM', KEYS[1], member)
+    redis.call('HDEL', KEYS[2], member)
+  end
+end
+redis.call('PEXPIRE', KEYS[1], lease * 2)
+redis.call('PEXPIRE', KEYS[2], lease * 2)
+return others(KEYS[1], KEYS[2], prefix, now)
+"""
+)
+
 _TIMEOUTS_DOWN = 3
 
 
@@ -163,6 +222,8 @@ class RedisState:
         self._refund = self._client.register_script(_REFUND)
         self._acquire = self._client.register_script(_ACQUIRE)
         self._renew = self._client.register_script(_RENEW)
+        self._claim = self._client.register_script(_CLAIM)
+        self._restate = self._client.register_script(_RESTATE)
         self._probe: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -213,7 +274,7 @@ class RedisState:
             try:
                 await asyncio.wait_for(self._client.ping(), max(self.cfg.timeout_s, 0.5))
                 # A restarted Redis has an empty script cache: load them now, not on a request's time.
-                for script in (self._check, self._refund, self._acquire, self._renew):
+                for script in (self._check, self._refund, self._acquire, self._renew, self._claim, self._restate):
                     await asyncio.wait_for(self._client.script_load(script.script), max(self.cfg.timeout_s, 0.5))
             except (RedisError, OSError, TimeoutError):
                 continue
@@ -283,6 +344,29 @@ class RedisState:
         lease_ms = int(self.cfg.slot_lease_s * 1000)
         keys = [self.key("slots", k) for k, _ in held]
         await self._call(lambda: self._renew(keys=keys, args=[lease_ms, *(m for _, m in held)]))
+
+    # --- blocks in flight per engine, shared by the replicas -----------------------------------------
+
+    def _engine_keys(self, engine: str) -> list[str]:
+        return [self.key("engine-leases", engine), self.key("engine-blocks", engine)]
+
+    async def claim_blocks(self, engine: str, member: str, blocks: int, limit: int, lease_s: float) -> tuple[bool, int]:
+        out: list[Any] = await self._call(
+            lambda: self._claim(
+                keys=self._engine_keys(engine),
+                args=[f"{self.replica_id}:", f"{self.replica_id}:{member}", blocks, limit, int(lease_s * 1000)],
+            )
+        )
+        return int(out[0]) == 1, int(out[1])
+
+    async def restate_blocks(self, engine: str, held: dict[str, int], lease_s: float) -> int:
+        pairs = [x for member, blocks in held.items() for x in (f"{self.replica_id}:{member}", blocks)]
+        others = await self._call(
+            lambda: self._restate(
+                keys=self._engine_keys(engine), args=[f"{self.replica_id}:", int(lease_s * 1000), *pairs]
+            )
+        )
+        return int(others)
 
 
 def _state(limit: int, left: float) -> LimitState | None:
