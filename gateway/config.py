@@ -294,6 +294,12 @@ class GatewayConfig(_Model):
         description="Let a hub-id tokenizer (or auto, by the served model's id) missing from the HF cache be "
         "downloaded from HF_ENDPOINT (with HF_TOKEN) into that cache.",
     )
+    tokenizer_fast_path: bool = Field(
+        False,
+        description="Price a text prompt far from every limit at the high end of its learned token band instead "
+        "of tokenizing it (once its model and route have learned from served requests). Saves the tokenizer's "
+        "CPU; reserves more prompt blocks than an exact count (the band's high end), so off until measured.",
+    )
     model: ModelConfig = ModelConfig()
     admission: AdmissionConfig = AdmissionConfig()
     telemetry: TelemetryConfig = TelemetryConfig()

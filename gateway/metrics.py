@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -68,7 +68,21 @@ STATE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "Engine /tokenize counts looked up in the whole-request cache, by result (hit: no round trip)",
         ("result",),
     ),
+    "kvgate_prompts_priced": (
+        "Requests priced, by how their prompt was counted (estimate: the tokenizer skipped; tokenizer; token_ids)",
+        ("by",),
+    ),
+    "kvgate_prompts_near_limit": ("Text prompts whose estimate was too close to a limit: counted exactly", ()),
+    "kvgate_prompt_estimate_above_band": (
+        "Served prompts whose engine count was above the estimate's band (the fast path would have priced short)",
+        (),
+    ),
 }
+# Histograms kept by pure code: (name, label values, cumulative (upper bound, count) pairs, sum).
+STATE_HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kvgate_prompt_estimate_ratio": ("The engine's prompt tokens over the learned estimate, per served prompt", ()),
+}
+HistogramReading = tuple[str, tuple[str, ...], list[tuple[float, int]], float]
 
 Reading = tuple[str, tuple[str, ...], float]  # gauge name, label values, value
 
@@ -78,15 +92,18 @@ class StateGauges(Collector):
 
     def __init__(self) -> None:
         self.source: Callable[[], Iterable[Reading]] = lambda: ()
+        self.histograms: Callable[[], Iterable[HistogramReading]] = lambda: ()
 
     def describe(self) -> Iterator[Metric]:
-        return iter(self._families().values())
+        return iter([*self._families().values(), *self._histograms().values()])
 
     def collect(self) -> Iterator[Metric]:
-        families = self._families()
+        families, histograms = self._families(), self._histograms()
         for name, labels, value in self.source():
             families[name].add_metric(list(labels), value)
-        return iter(families.values())
+        for name, labels, buckets, total in self.histograms():
+            histograms[name].add_metric(list(labels), [(_le(bound), float(n)) for bound, n in buckets], total)
+        return iter([*families.values(), *histograms.values()])
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
@@ -96,6 +113,17 @@ class StateGauges(Collector):
         for name, (doc, labels) in STATE_COUNTERS.items():
             families[name] = CounterMetricFamily(name.removesuffix("_total"), doc, labels=list(labels))
         return families
+
+    @staticmethod
+    def _histograms() -> dict[str, HistogramMetricFamily]:
+        return {
+            name: HistogramMetricFamily(name, doc, labels=list(labels))
+            for name, (doc, labels) in STATE_HISTOGRAMS.items()
+        }
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(bound)
 
 
 class GatewayMetrics:

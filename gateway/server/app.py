@@ -21,7 +21,7 @@ from gateway.admission.admitter import Admitter
 from gateway.admission.controller import AdmissionController
 from gateway.admission.engine import EngineBook
 from gateway.config import GatewayConfig
-from gateway.metrics import GatewayMetrics, Reading
+from gateway.metrics import GatewayMetrics, HistogramReading, Reading
 from gateway.protocol.errors import shutting_down
 from gateway.server.disconnect import Receive
 from gateway.server.request_path import RequestPath, raw_path_of
@@ -88,6 +88,7 @@ class Gateway:
             geometry=lambda: self.controller.geometry,
             max_model_len=lambda: config.model.max_model_len or self.pool.model.max_model_len,
             high_watermark=config.admission.high_watermark,
+            fast_path=config.tokenizer_fast_path,
         )
         self.draining = False
         self.requests = RequestPath(
@@ -103,6 +104,7 @@ class Gateway:
             draining=lambda: self.draining,
         )
         self.metrics.gauges.source = self._gauge_readings
+        self.metrics.gauges.histograms = self._histogram_readings
         self.active_requests = 0  # proxied requests in progress (inference and passthrough): what a drain waits for
         self._idle = asyncio.Event()  # set when a drain sees the last of them finish
         self._tasks: list[asyncio.Task[None]] = []
@@ -263,6 +265,16 @@ class Gateway:
         yield "kvgate_tokenizer_info", (self.costs.counter.kind, self.costs.counter.source), 1.0
         yield "kvgate_tokenize_cache_lookups", ("hit",), float(self.tokenize_cache.hits)
         yield "kvgate_tokenize_cache_lookups", ("miss",), float(self.tokenize_cache.misses)
+        tally = self.costs.tally
+        yield "kvgate_prompts_priced", ("estimate",), float(tally.by_estimate)
+        yield "kvgate_prompts_priced", ("tokenizer",), float(tally.by_tokenizer)
+        yield "kvgate_prompts_priced", ("token_ids",), float(tally.by_token_ids)
+        yield "kvgate_prompts_near_limit", (), float(tally.near_limit)
+        yield "kvgate_prompt_estimate_above_band", (), float(tally.errors.above_high)
+
+    def _histogram_readings(self) -> Iterator[HistogramReading]:
+        errors = self.costs.tally.errors
+        yield "kvgate_prompt_estimate_ratio", (), errors.cumulative(), errors.total
 
     def _control_app(self) -> FastAPI:
         app = FastAPI(title="kvgate", docs_url=None, redoc_url=None, openapi_url=None)

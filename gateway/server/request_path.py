@@ -151,7 +151,10 @@ class RequestPath:
             except EngineUnreachable:
                 if not await exchange.place_again():
                     raise
-        # 7. settle and release: when the exchange closes, however the request ended
+        # 7. learn what the engine counted for this prompt (the estimate of the next ones); settle and release
+        #    when the exchange closes, however the request ended
+        if exchange.usage is not None and exchange.writer.status == 200:
+            self.costs.learn(request, exchange.usage.prompt_tokens)
 
     async def passthrough(
         self, exchange: Exchange, target: str, scope: dict[str, Any], receive: Receive, watch: DisconnectWatch

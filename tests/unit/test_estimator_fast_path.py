@@ -1,0 +1,237 @@
+"""CostEstimator's fast path: text priced at its learned band's high end decides as an exact count would (or
+more conservatively), skips the tokenizer far from the limits, and counts near them. A real (tiny) BPE
+tokenizer with a chat template is the exact counter and the "engine" that teaches the estimator."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.protocol.errors import GatewayError
+from gateway.protocol.requests import InferenceRequest, parse_request
+from gateway.tokens.cost import KvGeometry, RequestCost
+from gateway.tokens.counting import TokenCounter
+from gateway.tokens.estimator import CostEstimator
+from gateway.tokens.prompt_estimate import PromptLengths
+from gateway.tokens.tokenizers import HeuristicTokenizer, HFTokenizer, LocalTokenizer
+
+MAX_MODEL_LEN = 400
+GEO = KvGeometry(block_size=16, num_blocks=60)  # at most 54 blocks (864 tokens) in use at the 0.9 watermark
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+VOCABULARY = (
+    "the quick brown fox jumps over lazy dog admission queue tokens blocks engine cache gateway prompt "
+    "request budget tenant reservation usage context length never fits watermark 42 1999 3.14 ok? yes! "
+    "naïve café über straße 東京 数据 ✓ -> {} [] () ; : , ."
+)
+WORDS = VOCABULARY.split()
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    rng = random.Random(1)
+    tok.train_from_iterator([" ".join(rng.choices(WORDS, k=50)) for _ in range(300)], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    directory = tmp_path_factory.mktemp("bpe")
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})
+    )
+    loaded = HFTokenizer.load(str(directory))
+    assert loaded.has_chat_template
+    return loaded
+
+
+class SpyCounter(TokenCounter):
+    """Counts how often the tokenizer (or /tokenize) was asked."""
+
+    calls = 0
+
+    async def count(self, request: InferenceRequest) -> tuple[int, ...]:
+        self.calls += 1
+        return await super().count(request)
+
+
+def estimator(counter: TokenCounter, *, fast_path: bool = True, min_samples: int = 100) -> CostEstimator:
+    return CostEstimator(
+        counter,
+        geometry=lambda: GEO,
+        max_model_len=lambda: MAX_MODEL_LEN,
+        high_watermark=0.9,
+        fast_path=fast_path,
+        lengths=PromptLengths(min_samples=min_samples),
+    )
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choices(WORDS, k=words))
+
+
+def random_request(rng: random.Random, *, batches: bool = False) -> InferenceRequest:
+    """Prompts from a few tokens to twice the context; max_tokens absent or up to 500; n up to 3."""
+    body: dict[str, Any] = {"model": "m", "n": rng.randint(1, 3)}
+    if rng.random() < 0.7:
+        body["max_tokens"] = rng.randint(1, 500)
+    words = int(rng.choice([rng.uniform(1, 40), rng.uniform(40, 400)]))
+    if rng.random() < 0.5:
+        turns = rng.randint(1, 4)
+        body["messages"] = [
+            {"role": rng.choice(["system", "user", "assistant"]), "content": text(rng, max(1, words // turns))}
+            for _ in range(turns)
+        ]
+        return parse_request("chat", orjson.dumps(body))
+    prompts = [text(rng, words) for _ in range(rng.randint(2, 3) if batches and rng.random() < 0.3 else 1)]
+    body["prompt"] = prompts if len(prompts) > 1 else prompts[0]
+    return parse_request("completions", orjson.dumps(body))
+
+
+async def teach(costs: CostEstimator, local: LocalTokenizer, requests: int, seed: int = 0) -> None:
+    """The engine's usage.prompt_tokens for served requests: here, the exact count."""
+    rng = random.Random(seed)
+    exact = TokenCounter(local)
+    for _ in range(requests):
+        request = random_request(rng)
+        costs.learn(request, sum(await exact.count(request)))
+
+
+async def priced(costs: CostEstimator, request: InferenceRequest) -> RequestCost | str:
+    try:
+        return await costs.estimate(request)
+    except GatewayError as err:
+        assert err.status == 400
+        return str(err.code)
+
+
+async def test_the_fast_path_decides_as_exact_counting_or_more_conservatively(hf: HFTokenizer) -> None:
+    """Random requests near and far from the context length (400) and the never-fits ceiling (54 blocks): the
+    fast path accepts only what exact counting accepts, never reserves or charges less, and refuses what it
+    refuses, with the exact count's own error."""
+    fast, exact = estimator(SpyCounter(hf)), estimator(TokenCounter(hf), fast_path=False)
+    await teach(fast, hf, 400)
+    assert fast.lengths.learned(("m", "chat")) and fast.lengths.learned(("m", "completions"))
+    rng = random.Random(99)
+    refusals: set[str] = set()
+    for _ in range(600):
+        request = random_request(rng, batches=True)
+        by_fast, by_count = await priced(fast, request), await priced(exact, request)
+        if isinstance(by_count, str):
+            assert by_fast == by_count
+            refusals.add(by_count)
+            continue
+        assert isinstance(by_fast, RequestCost), f"the fast path refused what fits: {by_fast}"
+        assert by_fast.blocks >= by_count.blocks and by_fast.total_tokens >= by_count.total_tokens
+        assert all(f >= c for f, c in zip(by_fast.prompt_tokens, by_count.prompt_tokens, strict=True))
+    tally = fast.tally
+    assert refusals == {"context_length_exceeded", "kv_cache_capacity_exceeded"}  # both limits were reached
+    assert tally.by_estimate > 150 and tally.near_limit > 50  # both far (skipped) and near (counted)
+    assert tally.by_estimate + tally.by_tokenizer == 600
+    assert isinstance(fast.counter, SpyCounter) and fast.counter.calls == tally.by_tokenizer
+
+
+async def test_a_prompt_far_past_the_context_is_refused_with_its_exact_count(hf: HFTokenizer) -> None:
+    costs = estimator(TokenCounter(hf), min_samples=50)
+    await teach(costs, hf, 200)
+    request = parse_request("completions", orjson.dumps({"model": "m", "prompt": text(random.Random(5), 2000)}))
+    exact = (await TokenCounter(hf).count(request))[0]
+    with pytest.raises(GatewayError) as err:
+        await costs.estimate(request)
+    assert err.value.code == "context_length_exceeded" and f"contains {exact} input tokens" in err.value.message
+    assert costs.tally.near_limit == 1 and costs.tally.by_tokenizer == 1
+
+
+async def test_nothing_is_estimated_before_the_key_has_learned(hf: HFTokenizer) -> None:
+    costs = estimator(SpyCounter(hf), min_samples=50)
+    await teach(costs, hf, 20)
+    request = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+    await costs.estimate(request)
+    assert (costs.tally.by_estimate, costs.tally.by_tokenizer) == (0, 1)
+    other = parse_request("chat", orjson.dumps({"model": "other", "messages": [{"role": "user", "content": "hi"}]}))
+    await teach(costs, hf, 100)
+    await costs.estimate(request)
+    await costs.estimate(other)  # another model has learned nothing
+    assert (costs.tally.by_estimate, costs.tally.by_tokenizer) == (1, 2)
+
+
+async def test_switched_off_forced_or_heuristic_always_counts(hf: HFTokenizer) -> None:
+    request = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+    for costs in (
+        estimator(TokenCounter(hf), fast_path=False, min_samples=50),
+        estimator(TokenCounter(HeuristicTokenizer()), min_samples=50),
+    ):
+        await teach(costs, hf, 150)
+        assert costs.lengths.learned(("m", "chat"))
+        await costs.estimate(request)
+        assert (costs.tally.by_estimate, costs.tally.by_tokenizer) == (0, 1)
+    costs = estimator(TokenCounter(hf), min_samples=50)
+    await teach(costs, hf, 150)
+    await costs.estimate(request, exact=True)
+    await costs.estimate(request)
+    assert (costs.tally.by_estimate, costs.tally.by_tokenizer) == (1, 1)
+
+
+async def test_token_ids_are_counted_and_teach_nothing(hf: HFTokenizer) -> None:
+    costs = estimator(TokenCounter(hf), min_samples=1)
+    request = parse_request("completions", orjson.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 5}))
+    costs.learn(request, 3)
+    assert len(costs.lengths) == 0
+    assert (await costs.estimate(request)).prompt_tokens == (3,)
+    assert (costs.tally.by_token_ids, costs.tally.by_tokenizer, costs.tally.by_estimate) == (1, 0, 0)
+
+
+async def test_batches_and_images_teach_nothing() -> None:
+    costs = estimator(TokenCounter(HeuristicTokenizer()), min_samples=1)
+    costs.learn(parse_request("completions", orjson.dumps({"prompt": ["a", "b"]})), 2)
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    costs.learn(parse_request("chat", orjson.dumps({"messages": [{"role": "user", "content": [image]}]})), 600)
+    costs.learn(parse_request("completions", orjson.dumps({"prompt": "a"})), 0)
+    assert len(costs.lengths) == 0
+
+
+async def test_learn_measures_the_estimate_once_learned(hf: HFTokenizer) -> None:
+    costs = estimator(TokenCounter(hf), min_samples=10)
+    request = parse_request("completions", orjson.dumps({"model": "m", "prompt": "x" * 392}))  # 400 bytes
+    for _ in range(10):
+        costs.learn(request, 100)  # nothing measured while the prior answers
+    assert costs.tally.errors.count == 0
+    costs.learn(request, 100)
+    costs.learn(request, 300)  # three times what was learned: past the band's high end
+    errors = costs.tally.errors
+    assert errors.count == 2 and errors.above_high == 1 and dict(errors.cumulative())[1.0] == 1
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def test_far_from_the_limits_there_is_no_tokenize_round_trip(
+    hf: HFTokenizer, session: aiohttp.ClientSession
+) -> None:
+    """With the engine's /tokenize (here unreachable), a learned key prices short requests without asking."""
+    costs = estimator(
+        TokenCounter(None, session=session, upstream="http://127.0.0.1:9", tokenize_timeout_s=0.5), min_samples=50
+    )
+    await teach(costs, hf, 150)
+    short = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+    assert (await costs.estimate(short)).prompt_tokens[0] > 0
+    long = parse_request("completions", orjson.dumps({"model": "m", "prompt": text(random.Random(3), 300)}))
+    with pytest.raises(GatewayError) as err:
+        await costs.estimate(long)  # near the context: only /tokenize can say
+    assert err.value.status == 503 and costs.tally.by_estimate == 1
