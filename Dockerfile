@@ -45,5 +45,7 @@ HEALTHCHECK --interval=15s --timeout=3s --start-period=30s --retries=3 \
 # Configuration, lowest precedence first: the mounted file (CMD's --config), then KVGATE_* variables, then
 # flags given to `docker run`. sh only maps the variables to flags and then execs kvgate, so kvgate is PID 1
 # and receives SIGTERM directly, which starts its graceful drain. KVGATE_PORT also tells HEALTHCHECK the port.
-ENTRYPOINT ["/bin/sh", "-c", "exec kvgate serve ${KVGATE_UPSTREAM:+--upstream \"$KVGATE_UPSTREAM\"} ${KVGATE_PORT:+--port \"$KVGATE_PORT\"} ${KVGATE_TOKENIZER:+--tokenizer \"$KVGATE_TOKENIZER\"} ${KVGATE_LOG_LEVEL:+--log-level \"$KVGATE_LOG_LEVEL\"} \"$@\"", "kvgate"]
+# KVGATE_UPSTREAM (one URL, or several separated by commas: a pool) is read by kvgate itself, and used only
+# when no --upstream is given: --upstream repeats to make a pool, so a flag could not replace a mapped one.
+ENTRYPOINT ["/bin/sh", "-c", "exec kvgate serve ${KVGATE_PORT:+--port \"$KVGATE_PORT\"} ${KVGATE_TOKENIZER:+--tokenizer \"$KVGATE_TOKENIZER\"} ${KVGATE_LOG_LEVEL:+--log-level \"$KVGATE_LOG_LEVEL\"} \"$@\"", "kvgate"]
 CMD ["--config", "/etc/kvgate/kvgate.yaml"]

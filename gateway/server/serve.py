@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import Any
 
@@ -53,10 +54,17 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def upstreams_from_environment() -> list[str] | None:
+    """``KVGATE_UPSTREAM``: one engine URL, or several separated by commas (a pool); None when unset."""
+    urls = [u.strip() for u in os.environ.get("KVGATE_UPSTREAM", "").split(",") if u.strip()]
+    return urls or None
+
+
 def build_config(args: argparse.Namespace) -> GatewayConfig:
+    """The config file, then KVGATE_UPSTREAM, then the flags: each overrides what comes before it."""
     base = load_config(args.config) if args.config else GatewayConfig()
     return base.with_overrides(
-        upstream=args.upstream,
+        upstream=args.upstream or upstreams_from_environment(),
         upstream_dns=getattr(args, "upstream_dns", None),
         host=args.host,
         port=args.port,

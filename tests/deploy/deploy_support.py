@@ -20,6 +20,7 @@ DEPLOY = REPO / "deploy"
 OVERLAYS = {
     "sidecar": DEPLOY / "overlays" / "sidecar",
     "standalone": DEPLOY / "overlays" / "standalone",
+    "pool": DEPLOY / "overlays" / "pool",
 }
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

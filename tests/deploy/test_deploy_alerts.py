@@ -15,7 +15,7 @@ import pytest
 import yaml
 from deploy_support import FIXTURES, Manifest, prometheus_rule_groups, require_tool
 
-# The situations issue 6 asks alerts for, each with the alert that covers it.
+# The situations issues 6 and 12 (a pool of engines) ask alerts for, each with the alert that covers it.
 REQUIRED_ALERTS = {
     "gate closed too long": "KvgateGateClosedTooLong",
     "high queue wait": "KvgateHighQueueWait",
@@ -23,6 +23,10 @@ REQUIRED_ALERTS = {
     "stale upstream metrics": "KvgateUpstreamMetricsStale",
     "KV usage above the high watermark": "KvgateKVUsageAboveHighWatermark",
     "preemptions observed": "KvgateVLLMPreemptions",
+    "an engine ejected for more than 5 minutes": "KvgateEngineEjected",
+    "fewer than 2 placeable engines in a pool of several": "KvgatePoolFewPlaceableEngines",
+    "engine restarts": "KvgateEngineRestarted",
+    "one engine's KV usage above 0.95 for 2 minutes": "KvgateEngineKVUsageHigh",
 }
 
 
@@ -50,8 +54,9 @@ def unit_test(directory: Path, groups: list[Manifest]) -> subprocess.CompletedPr
 
 @pytest.fixture
 def groups(rendered: dict[str, list[Manifest]]) -> list[Manifest]:
-    # The monitoring component is shared: both overlays must carry the same rules.
-    assert prometheus_rule_groups(rendered["sidecar"]) == prometheus_rule_groups(rendered["standalone"])
+    # The monitoring component is shared: every overlay must carry the same rules.
+    for overlay in ("standalone", "pool"):
+        assert prometheus_rule_groups(rendered["sidecar"]) == prometheus_rule_groups(rendered[overlay]), overlay
     return prometheus_rule_groups(rendered["sidecar"])
 
 
@@ -74,18 +79,27 @@ def test_alerts_fire_on_their_situation(groups: list[Manifest], tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_alert_unit_tests_fail_when_a_threshold_drifts(groups: list[Manifest], tmp_path: Path) -> None:
-    """Raising the watermark alert to 0.99 makes its unit test fail: the fixture pins behaviour."""
+@pytest.mark.parametrize(
+    ("alert", "threshold", "drifted_to"),
+    [
+        ("KvgateKVUsageAboveHighWatermark", "> 0.90", "> 0.99"),
+        ("KvgateEngineKVUsageHigh", "> 0.95", "> 0.99"),
+        ("KvgatePoolFewPlaceableEngines", "< 2", "< 1"),
+        ("KvgatePoolFewPlaceableEngines", "> 1", "> 0"),
+    ],
+)
+def test_alert_unit_tests_fail_when_a_threshold_drifts(
+    groups: list[Manifest], tmp_path: Path, alert: str, threshold: str, drifted_to: str
+) -> None:
+    """Moving a threshold (the watermark alert to 0.99, the pool alert to pools of one) makes its unit test
+    fail: the fixture pins behaviour."""
     drifted = copy.deepcopy(groups)
-    rule = next(r for g in drifted for r in g["rules"] if r.get("alert") == "KvgateKVUsageAboveHighWatermark")
-    rule["expr"] = rule["expr"].replace("> 0.90", "> 0.99")
-    assert (
-        rule["expr"]
-        != next(r for g in groups for r in g["rules"] if r.get("alert") == "KvgateKVUsageAboveHighWatermark")["expr"]
-    )
+    rule = next(r for g in drifted for r in g["rules"] if r.get("alert") == alert)
+    assert threshold in rule["expr"]
+    rule["expr"] = rule["expr"].replace(threshold, drifted_to)
     proc = unit_test(tmp_path, drifted)
     assert proc.returncode != 0
-    assert "KvgateKVUsageAboveHighWatermark" in proc.stdout + proc.stderr
+    assert alert in proc.stdout + proc.stderr
 
 
 def test_every_alert_is_required_or_tested(groups: list[Manifest]) -> None:

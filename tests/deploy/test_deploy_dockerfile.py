@@ -173,10 +173,21 @@ def test_entrypoint_maps_environment_to_flags(tmp_path: Path) -> None:
     }
     argv, _, _ = run_entrypoint(tmp_path, env, [*cmd, "--upstream", "http://other host:1"])
     cli = pytest.importorskip("gateway.cli")
+    serve = pytest.importorskip("gateway.server.serve")
     parsed = cli.build_parser().parse_args(argv)
     assert parsed.command == "serve" and parsed.config == "/etc/kvgate/kvgate.yaml"
-    assert parsed.upstream == "http://other host:1", "a flag given to docker run beats the variable"
     assert (parsed.port, parsed.tokenizer, parsed.log_level) == (9000, "heuristic:3.5", "debug")
+    # KVGATE_UPSTREAM is kvgate's own to read (--upstream repeats into a pool, so a mapped flag could not be
+    # replaced by a later one): a flag beats it, and without a flag it is the upstream, or a pool of them
+    parsed.config = None  # the file is the image's; its absence changes nothing here
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.setenv("KVGATE_UPSTREAM", "http://vllm:8000")
+        assert serve.build_config(parsed).upstream.static_urls() == ["http://other host:1"]
+        parsed.upstream = None
+        assert serve.build_config(parsed).upstream.static_urls() == ["http://vllm:8000"]
+        m.setenv("KVGATE_UPSTREAM", "http://a:8000, http://b:8000")
+        assert serve.build_config(parsed).upstream.static_urls() == ["http://a:8000", "http://b:8000"]
 
 
 def healthcheck_argv() -> list[str]:

@@ -284,6 +284,82 @@ def test_standalone_gateways_share_redis_and_fence_the_engine(rendered: dict[str
     assert one(docs, "Service", "kvgate")["spec"]["selector"] == {"app.kubernetes.io/name": "kvgate"}
 
 
+# CoreDNS's kubernetes plugin answers with a 5 s TTL by default: a pod that left the endpoints may still be
+# in a cached answer that long.
+DNS_TTL_S = 5
+
+
+def test_pool_discovers_the_engines_through_a_headless_service(rendered: dict[str, list[Manifest]]) -> None:
+    """kvgate's discovery name is the headless engine Service's FQDN in the overlay's namespace, and the port
+    it dials on each pod address is the engine container's; no load-balanced Service spreads around it."""
+    docs = rendered["pool"]
+    engine = one(docs, "Deployment", "vllm")
+    gw = one(docs, "Deployment", "kvgate")
+    assert engine["spec"]["replicas"] >= 2 and gw["spec"]["replicas"] >= 2
+    assert set(containers(engine)) == {"vllm"}, "the pool's engine pods carry no sidecar"
+    discovery = policy(docs)["upstream"]["discovery"]
+    name, namespace, svc_domain, cluster_domain = discovery["dns"].split(".", 3)
+    assert (svc_domain, cluster_domain) == ("svc", "cluster.local")
+    svc = one(docs, "Service", name)
+    assert svc["metadata"]["namespace"] == namespace, "the discovery name points into another namespace"
+    assert {d["metadata"].get("namespace") for d in docs} == {namespace}
+    spec = svc["spec"]
+    assert spec["clusterIP"] == "None", "a ClusterIP Service resolves to one virtual IP: one engine to kvgate"
+    assert spec.get("publishNotReadyAddresses", False) is False, "engines that are not ready must not resolve"
+    assert pods_selected(docs, spec["selector"]) == [engine]
+    # DNS gives pod addresses, so kvgate dials the container port; the Service port is kept equal for clarity.
+    (port,) = spec["ports"]
+    assert discovery["port"] == container_port(engine, port["targetPort"]) == port["port"]
+    assert discovery["scheme"] == "http"
+    # Only ready pods resolve: the engine needs a readiness probe on its own health route.
+    vllm = containers(engine)["vllm"]
+    assert vllm["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    args = vllm["args"]
+    assert args[args.index("--host") + 1] == "0.0.0.0"
+    assert int(args[args.index("--port") + 1]) == discovery["port"]
+    for other in find(docs, "Service"):
+        if pods_selected(docs, other["spec"]["selector"]) == [engine]:
+            assert other["spec"].get("clusterIP") == "None", f"Service {other['metadata']['name']} load-balances"
+    # A pod that leaves the endpoints keeps serving until every gateway's discovery has seen it go.
+    env = {e["name"]: e.get("value") for e in vllm["env"]}
+    assert float(env["PRESTOP_MIN_WAIT_S"]) >= discovery["interval_s"] + DNS_TTL_S
+    # The gateways' Redis and the fence around the engines, as in the standalone layout.
+    cfg = policy(docs)
+    assert cfg["admission"]["exclusive_upstream"] is False
+    redis = urlsplit(cfg["redis"]["url"])
+    assert (redis.port or 6379) in {p["port"] for p in one(docs, "Service", str(redis.hostname))["spec"]["ports"]}
+    assert cfg["redis"]["replicas"] == gw["spec"]["replicas"]
+    fence = {p["metadata"]["name"]: p for p in find(docs, "NetworkPolicy")}["vllm-from-kvgate-only"]["spec"]
+    assert selects(fence["podSelector"]["matchLabels"], engine["spec"]["template"]["metadata"]["labels"])
+    allowed = [src for rule in fence["ingress"] for src in rule["from"]]
+    assert [s["podSelector"]["matchLabels"] for s in allowed if "podSelector" in s] == [
+        {"app.kubernetes.io/name": "kvgate"}
+    ]
+    assert all(set(s) <= {"podSelector", "namespaceSelector"} for s in allowed), "no ipBlock around kvgate"
+    assert pods_selected(docs, one(docs, "Service", "kvgate")["spec"]["selector"]) == [gw]
+
+
+def test_pool_policy_loads_with_the_config_loader(rendered: dict[str, list[Manifest]], tmp_path: Path) -> None:
+    """The ConfigMap's file, as kvgate reads it from its mount: load_config and ``kvgate validate`` accept it,
+    and the loaded policy discovers engines instead of using upstream.url."""
+    config = pytest.importorskip("gateway.config")
+    from gateway.cli import main
+    from gateway.upstream.pool import engine_url
+
+    (workload,) = [w for w in pod_templates(rendered["pool"]) if "kvgate" in containers(w)]
+    (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvgate-config"]
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(one(rendered["pool"], "ConfigMap", volume["configMap"]["name"])["data"]["kvgate.yaml"])
+    cfg = config.load_config(path)
+    assert cfg.upstream.discovery is not None
+    assert cfg.upstream.discovery.dns == "vllm-engines.llm.svc.cluster.local"
+    assert engine_url(cfg.upstream.discovery.scheme, "10.0.0.7", cfg.upstream.discovery.port) == "http://10.0.0.7:8000"
+    assert cfg.admission.high_watermark < config.AdmissionConfig().high_watermark, "the pool keeps a margin"
+    assert main(["validate", str(path)]) == 0
+    path.write_text(path.read_text().replace("interval_s: 5", "interval_s: 0"))
+    assert main(["validate", str(path)]) == 1
+
+
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_kvgate_accepts_the_shipped_policy_and_args(rendered: dict[str, list[Manifest]], overlay: str) -> None:
     """The policy in each ConfigMap loads with the gateway's own config model, and the args parse."""
@@ -340,6 +416,23 @@ def test_docs_commands_name_real_paths() -> None:
     assert targets
     for target in targets:
         assert target == "my-llm" or (REPO / target / "kustomization.yaml").exists(), target
+
+
+def test_pool_doc_names_real_paths_and_settings() -> None:
+    """docs/pool.md's paths and kubectl -k targets exist, and the settings it quotes are the overlay's."""
+    doc = (REPO / "docs" / "pool.md").read_text()
+    paths = set(re.findall(r"(?<![\w/.])(deploy/[\w./-]+[\w])", doc))
+    assert {"deploy/overlays/pool", "deploy/overlays/sidecar"} <= paths
+    assert [p for p in sorted(paths) if not (REPO / p).exists()] == []
+    targets = [shlex.split(line)[-1] for line in doc.splitlines() if line.startswith("kubectl") and " -k " in line]
+    assert targets and all((REPO / t / "kustomization.yaml").exists() for t in targets)
+    cfg = yaml.safe_load((REPO / "deploy" / "overlays" / "pool" / "kvgate.yaml").read_text())
+    for quoted in (
+        f"dns: {cfg['upstream']['discovery']['dns']}",
+        f"high_watermark: {cfg['admission']['high_watermark']}",
+        f"scrape_interval_s: {cfg['telemetry']['scrape_interval_s']}",
+    ):
+        assert quoted in doc, quoted
 
 
 def test_docs_custom_overlay_example_renders(kubectl: str, deploy_copy: Path) -> None:

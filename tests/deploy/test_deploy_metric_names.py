@@ -102,9 +102,18 @@ def series_names(families: Iterable[Metric]) -> set[str]:
     return names
 
 
+def state_series(metrics: Any) -> set[str]:
+    """The series StateGauges exposes: each gauge by its name, each state counter (labelled ones included)
+    with the ``_total`` suffix prometheus_client gives a counter sample. No ``_created``: a counter read from
+    state has no creation time. test_state_series_are_what_a_scrape_shows proves this against a real render."""
+    return set(metrics.GAUGES) | {name.removesuffix("_total") + "_total" for name in metrics.STATE_COUNTERS}
+
+
 def kvgate_exported() -> set[str]:
     metrics = pytest.importorskip("gateway.metrics", reason="gateway/metrics.py not importable")
-    return series_names(metrics.GatewayMetrics().registry.collect())
+    state_families = set(metrics.GAUGES) | {name.removesuffix("_total") for name in metrics.STATE_COUNTERS}
+    native = [f for f in metrics.GatewayMetrics().registry.collect() if f.name not in state_families]
+    return series_names(native) | state_series(metrics)
 
 
 def vllm_exported() -> set[str]:
@@ -158,3 +167,55 @@ def test_alert_and_dashboard_metrics_are_exported(rendered: dict[str, list[Manif
     # The dashboard and the alerts query both sides: the gateway and the engine.
     used = set().union(*(metric_names(e) for _, e in queries))
     assert any(n.startswith("kvgate_") for n in used) and any(n.startswith("vllm:") for n in used)
+
+
+def test_state_series_are_what_a_scrape_shows() -> None:
+    """Give every state gauge and counter a reading, render /metrics, parse it back: the series names are
+    exactly those the checks above accept, so a labelled state counter is queried as ``..._total``."""
+    metrics = pytest.importorskip("gateway.metrics", reason="gateway/metrics.py not importable")
+    state = {**metrics.GAUGES, **metrics.STATE_COUNTERS}
+    gm = metrics.GatewayMetrics()
+    gm.gauges.source = lambda: [
+        (name, tuple(f"{label}-value" for label in labels), 1.0) for name, (_, labels) in state.items()
+    ]
+    families = {name.removesuffix("_total") for name in state}
+    exposed = {
+        s.name for f in text_string_to_metric_families(gm.render().decode()) if f.name in families for s in f.samples
+    }
+    assert exposed == state_series(metrics)
+    assert {"kvgate_engine_placements_total", "kvgate_engine_ejections_total"} <= exposed
+    assert not {"kvgate_engine_placements", "kvgate_engine_ejections_created"} & kvgate_exported()
+
+
+# The per-engine and pool series of issue 12, each with the place that must show it.
+POOL_DASHBOARD_SERIES = {
+    "kvgate_pool_engines",
+    "kvgate_engine_kv_usage_observed",
+    "kvgate_engine_kv_usage_projected",
+    "kvgate_engine_reserved_blocks",
+    "kvgate_engine_inflight_requests",
+    "kvgate_engine_gate_open",
+    "kvgate_engine_ejected",
+    "kvgate_engine_num_blocks",
+    "kvgate_engine_placements_total",
+    "kvgate_engine_ejections_total",
+    "kvgate_engine_restarts_total",
+}
+POOL_ALERT_SERIES = {
+    "kvgate_engine_ejected",
+    "kvgate_pool_engines",
+    "kvgate_engine_restarts_total",
+    "kvgate_engine_kv_usage_observed",
+}
+
+
+def test_pool_series_are_exported_and_shown(rendered: dict[str, list[Manifest]]) -> None:
+    """Every per-engine series kvgate exports is on the dashboard, and the pool alerts query their series."""
+    metrics = pytest.importorskip("gateway.metrics", reason="gateway/metrics.py not importable")
+    pool_series = {n for n in state_series(metrics) if n.startswith(("kvgate_engine_", "kvgate_pool_"))}
+    assert pool_series == POOL_DASHBOARD_SERIES, "a per-engine metric was added or renamed: show it, then list it"
+    docs = rendered["pool"]
+    on_board = set().union(*(metric_names(e) for _, e in dashboard_exprs(dashboard(docs))))
+    assert on_board >= POOL_DASHBOARD_SERIES, sorted(POOL_DASHBOARD_SERIES - on_board)
+    in_alerts = set().union(*(metric_names(e) for _, e in rule_exprs(prometheus_rule_groups(docs))))
+    assert in_alerts >= POOL_ALERT_SERIES, sorted(POOL_ALERT_SERIES - in_alerts)
