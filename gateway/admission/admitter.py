@@ -25,6 +25,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError, queue_full, queue_timeout, wait_predicted
 from gateway.tokens.cost import RequestCost
 
+# Releases that are not a request finishing on the engine: they say nothing of the rate the line moves at.
+NOT_FINISHED = frozenset({"claim_refused", "engine_unreachable"})
+
 
 class SharedBooks(Protocol):
     """Blocks in flight per engine, shared with the other gateway replicas (see
@@ -32,7 +35,9 @@ class SharedBooks(Protocol):
 
     async def claim(self, engine: str, member: str, blocks: int, limit: int) -> tuple[bool, int] | None: ...
 
-    async def restate(self, engine: str, held: dict[str, int]) -> int | None: ...
+    async def restate(self, engine: str, held: dict[str, int], everything: bool = False) -> int | None:
+        """Set this replica's claims on ``engine`` (0 removes one; ``everything``: unlisted ones go too)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -88,8 +93,9 @@ class Admitter:
 
         The caller owns the returned reservation and must :meth:`release` it."""
         started = self.clock()
+        budget = self.controller.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         while True:
-            remaining = None if max_wait_s is None else max(0.0, max_wait_s - (self.clock() - started))
+            remaining = max(0.0, budget - (self.clock() - started))
             admission = await self._acquire_here(cost, tenant, remaining, qclass, body_bytes, key, retry)
             if self.shared is None or await self._claimed(admission.reservation):
                 return admission
@@ -129,6 +135,7 @@ class Admitter:
         now = self.clock()
         decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass, body_bytes, key, retry)
         if isinstance(decision, Admitted):
+            self.metrics.admitted.inc()
             self._on_admitted(0.0, decision.reservation, qclass)
             return Admission(decision.reservation, 0.0, 0)
         if not isinstance(decision, Queued):
@@ -201,8 +208,8 @@ class Admitter:
         self.pump()
 
     def _on_admitted(self, waited_s: float, reservation: Reservation, qclass: QueueClass) -> None:
+        """The waiting request has its reservation (``admitted`` was counted when it was made)."""
         self.metrics.projected_at_admission.observe(reservation.projected_usage)
-        self.metrics.admitted.inc()
         self.metrics.queue_wait.observe(waited_s)
         name = PRIORITIES[qclass.priority]
         self.metrics.class_queue_wait.labels(name).observe(waited_s)
@@ -214,7 +221,8 @@ class Admitter:
 
     def release(self, reservation: Reservation, outcome: str) -> bool:
         """Give the reservation's blocks back and admit whoever now fits; True the first time only."""
-        if not self.controller.release(reservation, self.clock()):
+        finished = outcome not in NOT_FINISHED
+        if not self.controller.release(reservation, self.clock(), finished=finished):
             return False
         self.metrics.released.labels(outcome).inc()
         if self.shared is not None:
@@ -227,19 +235,24 @@ class Admitter:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _restate(self, engine: str, held: dict[str, int]) -> None:
+    async def _restate(self, engine: str, held: dict[str, int], everything: bool = False) -> None:
         assert self.shared is not None
-        others = await self.shared.restate(engine, held)
+        others = await self.shared.restate(engine, held, everything)
         book = self.controller.engines.get(engine)
         if others is not None and book is not None:
             book.others_blocks = others
+
+    def _restate_later(self, engine: str) -> None:
+        if self.shared is not None and engine not in self._restating:
+            self._restating.add(engine)
+            self._spawn(self._restate_all(engine))
 
     async def _restate_all(self, engine: str) -> None:
         """After a sample: this replica's claims on ``engine`` now (what the sample shows taken off)."""
         try:
             book = self.controller.engines.get(engine)
             if book is not None:
-                await self._restate(engine, book.unsampled())
+                await self._restate(engine, book.unsampled(), everything=True)
         finally:
             self._restating.discard(engine)
 
@@ -251,8 +264,9 @@ class Admitter:
         for ticket, reservation in self.controller.pump(self.clock()):
             _, future, timer = self._waiters.pop(ticket.id)
             timer.cancel()
+            # counted now, not when the waiter wakes: it may be cancelled in between, and its release counts
+            self.metrics.admitted.inc()
             if future.done():  # cancelled while we were deciding: give the blocks straight back
-                self.metrics.admitted.inc()
                 self.release(reservation, "client_disconnect")
             else:
                 future.set_result(reservation)
@@ -289,14 +303,13 @@ class Admitter:
         verdict = self.controller.apply_sample(sample, engine)
         if verdict.lost:  # the engine restarted: these died with it (their streams end in errors)
             self.metrics.released.labels("engine_restart").inc(len(verdict.lost))
-        if self.shared is not None and engine not in self._restating:
-            self._restating.add(engine)
-            self._spawn(self._restate_all(engine))
+        self._restate_later(engine)
         self.pump()
         self._refuse_hopeless()
 
     def scrape_failed(self, engine: str = DEFAULT_ENGINE) -> None:
         self.controller.scrape_failed(self.clock(), engine)
+        self._restate_later(engine)  # the claims' leases must outlive an outage of the engine's metrics
         self.pump()  # the stale policy may admit (or keep holding) by its own rules
 
     def unreachable(self, engine: str) -> bool:

@@ -263,6 +263,8 @@ class AdmissionController:
         book = self.engines.get(engine)
         if book is None or len(self.engines) < 2:
             return None
+        if book.ejected:  # the other requests that were on their way there: one ejection, not one each
+            return book.ejected_until - now if book.ejected_until is not None else None
         return book.eject(now, "connect")
 
     def is_stale(self, now: float) -> bool:
@@ -427,11 +429,14 @@ class AdmissionController:
         if teaches(res) and completion_tokens < res.full.max_output:
             self.lengths.observe(res.key, completion_tokens)
 
-    def release(self, res: Reservation, now: float) -> bool:
+    def release(self, res: Reservation, now: float, finished: bool = True) -> bool:
+        """Give ``res`` back (True the first time only). ``finished``: the request ended on the engine, which
+        is what the finish rate behind queue ETAs counts (not a claim refused or an engine unreachable)."""
         book = self.engines.get(res.engine)
         if book is None or not book.ledger.release(res):
             return False
-        self.drain.record(now)
+        if finished:
+            self.drain.record(now)
         self._forget_if_done(book)
         return True
 

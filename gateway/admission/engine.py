@@ -75,6 +75,7 @@ class EngineBook:
         self.others_blocks = 0  # other gateway replicas' blocks here that the last sample may not show
         self.leaving = False  # gone from discovery: nothing new is placed here; dropped once its ledger is empty
         self.ejected_until: float | None = None
+        self.rejoined_at: float | None = None
         self.ejections_in_a_row = 0
         self.scrape_failures = 0
         # counters for the metrics, kept here so that they leave with the engine (label values stay bounded)
@@ -96,10 +97,16 @@ class EngineBook:
         self.scrape_failures = 0
         if self.ejected_until is not None and sample.taken_at >= self.ejected_until:
             self.ejected_until = None  # healthy again after its backoff: it rejoins
+            self.rejoined_at = sample.taken_at
+        elif self.rejoined_at is not None and sample.taken_at - self.rejoined_at >= EJECT_MAX_S:
+            self.ejections_in_a_row = 0  # healthy for as long as the longest backoff: the next one starts short
+            self.rejoined_at = None
         lost: tuple[Reservation, ...] = ()
         if previous is not None and sample.restarted_since(previous):
             self.restarts += 1
-            lost = self.ledger.drop_all()
+            # what was admitted before the old process's last sample was sent to it and died with it; what came
+            # later may be running on the new one (it is released by its own request if it died too)
+            lost = self.ledger.drop_admitted_before(previous.taken_at)
         self.ledger.commit_sample()
         self.gate.observe(sample.usage)
         preempted = previous is not None and not lost and sample.preemptions > previous.preemptions
@@ -136,10 +143,6 @@ class EngineBook:
     @property
     def placeable(self) -> bool:
         return not self.leaving and not self.ejected
-
-    def served_well(self) -> None:
-        """A request placed here got its answer: the next ejection starts again from the shortest backoff."""
-        self.ejections_in_a_row = 0
 
     # --- the decision -------------------------------------------------------------------------------
 
@@ -184,7 +187,11 @@ class EngineBook:
         return int(cap * self.geometry.num_blocks) - (projected - self.others_blocks)
 
     def unsampled(self) -> dict[str, int]:
-        """Each live reservation's blocks that the last sample does not show yet, by reservation id."""
+        """What the other replicas must add to their view of this engine, per live reservation (by id): the
+        blocks the last sample does not show yet, or, when projections ignore the sample
+        (``exclusive_upstream``: the replicas' ledgers together are the bound), the whole reservation."""
+        if self.config.exclusive_upstream:
+            return {str(res.id): res.blocks for res in self.ledger.live()}
         return {str(res.id): res.blocks - res.in_sample_blocks for res in self.ledger.live()}
 
     def projected_usage(self, now: float) -> float | None:

@@ -104,10 +104,10 @@ class Ledger:
         self.released_count += 1
         return True
 
-    def drop_all(self) -> tuple[Reservation, ...]:
-        """The engine restarted: every reservation died with it. Each is released here (a later
-        :meth:`release` of one of them answers False), and returned."""
-        lost = tuple(self._live.values())
+    def drop_admitted_before(self, when: float) -> tuple[Reservation, ...]:
+        """The engine restarted: the reservations admitted before ``when`` died with it. Each is released here
+        (a later :meth:`release` of one of them answers False), and returned."""
+        lost = tuple(res for res in self._live.values() if res.admitted_at < when)
         for res in lost:
             self.release(res)
         return lost

@@ -31,6 +31,8 @@ from collections.abc import Iterable
 
 Key = tuple[str, ...]
 MAX_CACHED = 4096  # cached censored quantiles between two samples (outran requests ask with their own ``above``)
+BEYOND = 2**31 - 1  # the quantile lies past every length seen to end: reserve the whole budget
+STALE_AFTER = 64  # finished requests without a new in-flight set: the running ones are forgotten (no samples)
 
 
 class _Window:
@@ -62,8 +64,8 @@ class _Window:
     def censored_quantile(self, q: float, above: int, min_samples: int, running: list[int]) -> int | None:
         """The Kaplan-Meier ``q`` quantile of the lengths greater than ``above``, when ``running`` (sorted) are
         the tokens produced so far by requests that have not finished: each is known only to end past that.
-        None when fewer than ``min_samples`` finished past ``above``, or when so many are still running that
-        the survival never falls to ``1 - q`` (the quantile lies beyond anything seen end)."""
+        None when fewer than ``min_samples`` finished past ``above``; :data:`BEYOND` when so many are still
+        running that the survival never falls to ``1 - q`` (the quantile lies past anything seen to end)."""
         finished = self._sorted
         i = bisect.bisect_right(finished, above)
         if len(finished) - i < min_samples:
@@ -78,7 +80,7 @@ class _Window:
             if survival <= target:
                 return t
             i += ends_here
-        return None
+        return BEYOND
 
 
 class OutputLengths:
@@ -89,6 +91,7 @@ class OutputLengths:
         self._windows: OrderedDict[Key, _Window] = OrderedDict()
         self._running: dict[Key, list[int]] = {}  # per key (and every coarser one): tokens so far, sorted
         self._cached: dict[tuple[Key, float, int], int | None] = {}
+        self._observed_since = 0  # finished requests observed since the last in-flight set
 
     def set_in_flight(self, running: Iterable[tuple[Key, int]]) -> None:
         """The requests still generating, as (key, tokens produced so far per sequence): they replace the
@@ -101,9 +104,16 @@ class OutputLengths:
             values.sort()
         self._running = by_key
         self._cached.clear()
+        self._observed_since = 0
 
     def observe(self, key: Key, tokens: int) -> None:
-        """A finished request produced ``tokens`` output tokens per sequence; every coarser key learns it too."""
+        """A finished request produced ``tokens`` output tokens per sequence; every coarser key learns it too.
+        Censored answers keep until the next in-flight set; if none comes (the engine's metrics are down), the
+        running ones are forgotten after ``STALE_AFTER`` finishes, not kept forever."""
+        if self._running:
+            self._observed_since += 1
+            if self._observed_since >= STALE_AFTER:
+                self.set_in_flight(())
         for depth in range(len(key) + 1):
             sub = key[:depth]
             window = self._windows.get(sub)
@@ -123,7 +133,9 @@ class OutputLengths:
 
     def quantile(self, key: Key, q: float, above: int = 0) -> int | None:
         """Output tokens per sequence at quantile ``q`` for requests like this one (that already produced
-        ``above``), from the most specific key that knows enough; None when none does."""
+        ``above``), from the most specific key that knows enough; None when none does; :data:`BEYOND` when
+        requests still running say it lies past every length seen to end (no coarser key is asked then: their
+        lengths are not this key's)."""
         min_samples = self.min_samples if above == 0 else max(4, self.min_samples // 4)
         for depth in range(len(key), -1, -1):
             sub = key[:depth]

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from gateway.admission.admitter import Admitter
 from gateway.admission.controller import AdmissionController
 from gateway.admission.engine import EngineBook
+from gateway.admission.output_lengths import BEYOND
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics, HistogramReading, Reading
 from gateway.protocol.errors import shutting_down
@@ -259,7 +260,7 @@ class Gateway:
         yield "kvgate_output_estimate_quantile", (), c.caution.quantile
         for q in (0.5, 0.9, 0.99):
             expected = c.lengths.quantile((), q)
-            if expected is not None:
+            if expected is not None and expected < BEYOND:
                 yield "kvgate_output_tokens_expected", (str(q),), float(expected)
         yield "kvgate_requests_outran_estimate", (), float(c.outran)
         yield "kvgate_tokenizer_info", (self.costs.counter.kind, self.costs.counter.source), 1.0

@@ -135,10 +135,10 @@ return #KEYS
 _OTHERS = """
 local function others(leases, blocks, prefix, now)
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
-  if #expired > 0 then
-    redis.call('ZREM', leases, unpack(expired))
-    redis.call('HDEL', blocks, unpack(expired))
+  for _, member in ipairs(expired) do  -- one by one: unpack() has a limit, and a dead replica may leave many
+    redis.call('HDEL', blocks, member)
   end
+  redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
   local all = redis.call('HGETALL', blocks)
   local sum = 0
   for i = 1, #all, 2 do
@@ -167,12 +167,23 @@ return {1, sum}
 )
 
 # Restate this replica's members (renewed leases, blocks the engine's metrics now show taken off; 0 removes).
-# ARGV: prefix, lease ms, then member, blocks pairs. Returns the other replicas' sum.
+# ARGV: prefix, lease ms, everything (1: this replica's members not listed are removed too), then member,
+# blocks pairs. Returns the other replicas' sum.
 _RESTATE = (
     _OTHERS
     + """
-local prefix, lease = ARGV[1], tonumber(ARGV[2])
-for i = 3, #ARGV, 2 do
+local prefix, lease, everything = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
+if everything then
+  local listed = {}
+  for i = 4, #ARGV, 2 do listed[ARGV[i]] = true end
+  for _, member in ipairs(redis.call('HKEYS', KEYS[2])) do
+    if string.sub(member, 1, #prefix) == prefix and not listed[member] then
+      redis.call('ZREM', KEYS[1], member)
+      redis.call('HDEL', KEYS[2], member)
+    end
+  end
+end
+for i = 4, #ARGV, 2 do
   local member, blocks = ARGV[i], tonumber(ARGV[i + 1])
   if blocks > 0 then
     redis.call('ZADD', KEYS[1], now + lease, member)
@@ -359,13 +370,10 @@ class RedisState:
         )
         return int(out[0]) == 1, int(out[1])
 
-    async def restate_blocks(self, engine: str, held: dict[str, int], lease_s: float) -> int:
+    async def restate_blocks(self, engine: str, held: dict[str, int], lease_s: float, everything: bool) -> int:
         pairs = [x for member, blocks in held.items() for x in (f"{self.replica_id}:{member}", blocks)]
-        others = await self._call(
-            lambda: self._restate(
-                keys=self._engine_keys(engine), args=[f"{self.replica_id}:", int(lease_s * 1000), *pairs]
-            )
-        )
+        args = [f"{self.replica_id}:", int(lease_s * 1000), 1 if everything else 0, *pairs]
+        others = await self._call(lambda: self._restate(keys=self._engine_keys(engine), args=args))
         return int(others)
 
 

@@ -29,11 +29,13 @@ class RedisEngineBooks:
         except RedisUnavailable:
             return None
 
-    async def restate(self, engine: str, held: dict[str, int]) -> int | None:
-        """Set this replica's claims on ``engine`` (0 removes one); the other replicas' blocks, or None."""
+    async def restate(self, engine: str, held: dict[str, int], everything: bool = False) -> int | None:
+        """Set this replica's claims on ``engine`` (0 removes one; ``everything``: its claims not listed are
+        removed too, so a claim re-added by a late restate lasts one sample, not a lease); the other replicas'
+        blocks, or None."""
         if not self.redis.healthy:
             return None
         try:
-            return await self.redis.restate_blocks(engine, held, self.lease_s)
+            return await self.redis.restate_blocks(engine, held, self.lease_s, everything)
         except RedisUnavailable:
             return None

@@ -321,6 +321,7 @@ class Pool:
         self.max_connections = max_connections
         self.max_header_bytes = max_header_bytes
         self._idle: list[_Connection] = []
+        self._closed = False
         self._open = 0
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._on_stale = on_stale
@@ -345,6 +346,9 @@ class Pool:
         return response
 
     async def close(self) -> None:
+        """Close the idle connections now, and each busy one as its exchange ends (an engine that left the
+        pool may still be answering requests placed on it)."""
+        self._closed = True
         for conn in self._idle:
             conn.close()
         self._open -= len(self._idle)
@@ -404,6 +408,10 @@ class Pool:
         return conn
 
     def release(self, conn: _Connection) -> None:
+        if self._closed:
+            conn.close()
+            self._open -= 1
+            return
         conn.idle_since = time.monotonic()
         self._idle.append(conn)
         self._wake_one()

@@ -121,14 +121,18 @@ class EnginePool:
         engine = self.engines.pop(url, None)
         if engine is None:
             return
+        self._retired[url] = engine  # first: requests placed there still find its client
         self.admitter.controller.remove_engine(url)
         self.admitter.pump()
         if engine.task is not None:
             engine.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await engine.task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # a scraper that had died: logged, and discovery goes on
+                log.exception("the scraper of %s had failed", url)
             engine.task = None
-        self._retired[url] = engine
         log.info("engine %s left the pool (%d engines)", url, len(self.engines))
         await self._close_retired()
 

@@ -205,3 +205,25 @@ async def test_the_exchange_releases_once_and_names_how_the_request_ended() -> N
         ex.close(exc)
         assert ex.outcome == outcome and released.labels(outcome)._value.get() >= 1
     assert len(ledger) == 0 and ledger.reserved_count == ledger.released_count == 5
+
+
+def _admitted_and_released(admitter: Admitter) -> tuple[float, float]:
+    metrics = {m.name: m for m in admitter.metrics.registry.collect()}
+    admitted = sum(s.value for s in metrics["kvgate_requests_admitted"].samples if s.name.endswith("_total"))
+    released = sum(s.value for s in metrics["kvgate_reservations_released"].samples if s.name.endswith("_total"))
+    return admitted, released
+
+
+async def test_a_waiter_granted_then_cancelled_before_it_wakes_is_counted_once_each_way() -> None:
+    """pump() hands a queued waiter its reservation; the client leaves before the waiter runs again. The
+    reservation is released once, and it was counted as admitted once: admitted == released."""
+    admitter, _ = make()
+    holder = await admitter.acquire(rc(80), "t")
+    waiter = asyncio.ensure_future(admitter.acquire(rc(20), "t", max_wait_s=60.0))
+    await asyncio.sleep(0)  # queued
+    admitter.release(holder.reservation, "completed")  # pump grants the waiter its reservation...
+    waiter.cancel()  # ...and its client leaves before the waiter wakes
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert len(admitter.controller.ledger) == 0
+    assert _admitted_and_released(admitter) == (2.0, 2.0)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission.output_lengths import OutputLengths
+from gateway.admission.output_lengths import BEYOND, STALE_AFTER, OutputLengths
 
 KEY = ("llama", "chat", "team-a")
 
@@ -117,7 +117,7 @@ def test_running_requests_only_ever_raise_the_estimate(
     finished: list[int], running: list[int], q: float, above: int
 ) -> None:
     """A running request is one more that went at least that far: counting it can only move a quantile up
-    (or out of reach, None: reserve more), never down; and its answers come from lengths really seen."""
+    (or out of reach, BEYOND: reserve the budget), never down; and its answers come from lengths really seen."""
     est = OutputLengths(min_samples=1, window=1024)
     for n in finished:
         est.observe(KEY, n)
@@ -126,8 +126,9 @@ def test_running_requests_only_ever_raise_the_estimate(
     censored = est.quantile(KEY, q, above=above)
     if plain is None:
         assert censored is None
-    elif censored is not None:
-        assert plain <= censored and censored in finished and censored > above
+    else:
+        assert censored is not None and plain <= censored
+        assert censored == BEYOND or (censored in finished and censored > above)
     assert est.quantile(KEY, q, above=above) == censored  # the cached answer is the same
 
 
@@ -140,3 +141,31 @@ def test_running_requests_count_for_every_coarser_key_and_are_replaced_each_samp
     assert est.quantile(("m", "chat", "b"), 0.5) == 40
     est.set_in_flight([])
     assert est.quantile(("m", "chat", "b"), 0.5) == 20
+
+
+def test_a_key_whose_running_requests_outlast_what_ended_does_not_fall_back_to_a_shorter_coarser_key() -> None:
+    """A tenant's finished outputs put its 0.7 quantile at 600 and 60 of its requests are still running past
+    900, longer than any of its that ended: the answer is "past everything seen" (the whole budget), not the
+    model-wide quantile, which is shorter."""
+    est = OutputLengths(min_samples=8)
+    for n in range(100, 700, 10):  # the model's other tenants
+        est.observe(("m", "chat", "other"), n // 2 + 50)
+    for n in range(200, 800, 20):
+        est.observe(("m", "chat", "t"), n)
+    assert est.quantile(("m", "chat", "t"), 0.7) == 600
+    assert (est.quantile(("m", "chat"), 0.7) or 0) < 600
+    est.set_in_flight([(("m", "chat", "t"), 900)] * 60)
+    assert est.quantile(("m", "chat", "t"), 0.7) == BEYOND
+
+
+def test_running_requests_are_forgotten_when_no_new_set_comes() -> None:
+    """The engine's metrics stopped (no samples, no new in-flight set): after STALE_AFTER finishes the old
+    running set no longer counts."""
+    est = OutputLengths(min_samples=4)
+    for n in (10, 20, 30, 40):
+        est.observe(KEY, n)
+    est.set_in_flight([(KEY, 35)] * 4)
+    assert est.quantile(KEY, 0.5) == 40
+    for _ in range(STALE_AFTER):
+        est.observe(KEY, 20)
+    assert est.quantile(KEY, 0.5) == 20

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.admission.controller import AdmissionController, Admitted, Queued, UsageSample
-from gateway.admission.engine import EJECT_BASE_S, SCRAPE_FAILURES_TO_EJECT
+from gateway.admission.engine import EJECT_BASE_S, EJECT_MAX_S, SCRAPE_FAILURES_TO_EJECT
 from gateway.admission.ledger import Reservation
 from gateway.config import AdmissionConfig, OutputEstimateConfig
 from gateway.tokens.cost import KvGeometry, RequestCost
@@ -26,9 +26,7 @@ def pool(*sizes: int) -> AdmissionController:
     return c
 
 
-def sample(
-    c: AdmissionController, engine: str, usage: float, now: float, size: int = 100, served: float = 0.0
-) -> None:
+def sample(c: AdmissionController, engine: str, usage: float, now: float, size: int = 100, served: float = 0.0) -> None:
     c.begin_sample(engine)
     c.apply_sample(UsageSample(usage, now, KvGeometry(16, size), served=served), engine)
 
@@ -75,13 +73,18 @@ def test_an_ejected_engine_takes_nothing_until_its_backoff_is_over_and_it_is_sam
     sample(c, "e1", 0.5, 0.1)  # e0 has more room, but it refused a connection
     assert c.eject("e0", 1.0) == EJECT_BASE_S
     assert all(d.reservation.engine == "e1" for d in [c.submit(req(5), "t", 1.1)] if isinstance(d, Admitted))
+    assert c.eject("e0", 1.2) == EJECT_BASE_S - 0.2  # another request that was on its way: the same ejection
     sample(c, "e0", 0.0, 1.5)  # healthy, but still inside its backoff
     assert c.engines["e0"].ejected
-    assert c.eject("e0", 1.6) == 2 * EJECT_BASE_S  # a second ejection in a row waits twice as long
-    sample(c, "e0", 0.0, 3.7)
+    sample(c, "e0", 0.0, 2.1)  # past it: rejoins
     assert not c.engines["e0"].ejected
-    d = c.submit(req(5), "t", 3.8)
+    d = c.submit(req(5), "t", 2.2)
     assert isinstance(d, Admitted) and d.reservation.engine == "e0"
+    assert c.eject("e0", 2.3) == 2 * EJECT_BASE_S  # ejected again soon after: it waits twice as long
+    assert c.engines["e0"].ejections == {"scrape": 0, "connect": 2}
+    sample(c, "e0", 0.0, 4.4)  # rejoins; healthy for as long as the longest backoff, the run is forgotten
+    sample(c, "e0", 0.0, 4.4 + EJECT_MAX_S)
+    assert c.eject("e0", 5.0 + EJECT_MAX_S) == EJECT_BASE_S
 
 
 def test_failing_scrapes_eject_an_engine_of_a_pool_but_a_lone_engine_keeps_the_stale_policy() -> None:
@@ -96,17 +99,22 @@ def test_failing_scrapes_eject_an_engine_of_a_pool_but_a_lone_engine_keeps_the_s
 
 
 def test_an_engine_that_restarted_drops_what_died_with_it_and_each_reservation_is_released_once() -> None:
+    """What was admitted before the old process's last sample died with it and is released; what was
+    admitted after that may be running on the new process, and is kept (its own request releases it)."""
     c = pool(100, 100)
-    sample(c, "e0", 0.0, 0.1, served=50)
     sample(c, "e1", 0.5, 0.1, served=10)
     held = [c.submit(req(10), "t", 0.2) for _ in range(3)]
     on_e0 = [d.reservation for d in held if isinstance(d, Admitted) and d.reservation.engine == "e0"]
     assert on_e0
+    sample(c, "e0", 0.1, 0.25, served=50)  # the old process's last sample
+    late = c.submit(req(10), "t", 0.27)
+    assert isinstance(late, Admitted) and late.reservation.engine == "e0"
     c.begin_sample("e0")
     verdict = c.apply_sample(UsageSample(0.0, 0.3, KvGeometry(16, 100), served=0), "e0")  # counters went back
-    assert list(verdict.lost) == on_e0 and len(c.engines["e0"].ledger) == 0
-    assert c.engines["e0"].ledger.reserved_blocks == 0 and c.engines["e0"].restarts == 1
+    assert list(verdict.lost) == on_e0 and c.engines["e0"].restarts == 1
+    assert c.engines["e0"].ledger.reserved_blocks == late.reservation.blocks  # the late one is still held
     assert not any(c.release(res, 0.4) for res in on_e0)  # already released when the engine went
+    assert c.release(late.reservation, 0.4) and len(c.engines["e0"].ledger) == 0
 
 
 def test_an_engine_that_leaves_takes_nothing_new_and_its_books_go_when_its_requests_end() -> None:
