@@ -32,6 +32,11 @@ def main(argv: list[str]) -> int:
     s = sub.add_parser("sweep", help="concurrency sweep: the engine's best stable throughput")
     s.add_argument("scenario")
     s.add_argument("--out", help="default loadtests/results/<scenario name>")
+    pl = sub.add_parser("pool", help="a pool scenario: direct-rr / sidecar / pool-kvgate on N fresh simulators")
+    pl.add_argument("scenario")
+    pl.add_argument("--arms", help="comma list of direct-rr, sidecar, pool-kvgate (default: the scenario's)")
+    pl.add_argument("--out", default=str(HERE / "results"), help="results directory (a folder per scenario)")
+    pl.add_argument("--reuse", action="store_true", help="read back arms already saved instead of running them")
     rep = sub.add_parser("report", help="the full committed report: sweep + every scenario's compare")
     rep.add_argument("--out", default=str(HERE / "results"))
     rep.add_argument("--only", help="comma list of scenario names to (re)run")
@@ -43,6 +48,13 @@ def main(argv: list[str]) -> int:
         from loadtests.full_report import build
 
         return build(Path(args.out), set(args.only.split(",")) if args.only else None, args.keep_sweep, args.reuse)
+    if args.cmd == "pool":
+        from loadtests import pool, pool_report
+
+        sc, _ = pool.load(args.scenario)
+        arms = tuple(args.arms.split(",")) if args.arms else None
+        print(pool_report.section(sc.name, Path(args.scenario), Path(args.out), reuse=args.reuse, arms=arms))
+        return 0
     sc = scenario.load(args.scenario)
     out = Path(args.out) if args.out else HERE / "results" / sc.name
     out.mkdir(parents=True, exist_ok=True)

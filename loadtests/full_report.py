@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loadtests import compare, natural, scenario
+from loadtests import compare, natural, pool_report, scenario
 from loadtests.bound import burst_bound, closed_loop_capacity
 from loadtests.report import plots, table
 from loadtests.sweep import sweep
@@ -25,6 +25,13 @@ PLAN: list[tuple[str, tuple[str, ...]]] = [
     ("chat-natural-8b-h100", ("direct", "kvgate", "kvgate-worst", "vllm-queue")),
     ("mixed-generous-8b-h100", ("direct", "kvgate", "kvgate-worst", "vllm-queue")),
     ("deadline-8b-h100", ("direct", "kvgate")),
+]
+# Pools of engines (loadtests/pool.py): the arms and the checks come from each scenario's pool: block.
+POOL_PLAN: list[str] = [
+    "pool-burst-8b-h100",
+    "pool-overload-8b-h100",
+    "pool-hetero-8b-h100",
+    "pool-fault-8b-h100",
 ]
 NATURAL = ("chat-natural-8b-h100", "mixed-generous-8b-h100")
 PLAN_CAPS = (64, 128, 192, 256, 320, 384, 448, 512, 100_000)  # 100,000: no cap at all
@@ -177,12 +184,19 @@ def build(out: Path, only: set[str] | None, keep_sweep: bool = False, reuse: boo
         sections[name] = "\n".join(body)
         (dest / "section.md").write_text(sections[name])
         print(sections[name], flush=True)
+    for name in POOL_PLAN:
+        if only is not None and name not in only:
+            continue
+        print(f"pool compare {name}", flush=True)
+        sections[name] = pool_report.section(name, HERE / "scenarios" / f"{name}.yaml", out, reuse=reuse)
+        print(sections[name], flush=True)
     # Keep sections of scenarios not re-run this time.
-    for name, _ in PLAN:
+    names = [name for name, _ in PLAN] + POOL_PLAN
+    for name in names:
         if name not in sections and (out / name / "section.md").exists():
             sections[name] = (out / name / "section.md").read_text()
     header = (HERE / "report_header.md").read_text()
-    (out / "REPORT.md").write_text(header + "\n" + "\n".join(sections[n] for n, _ in PLAN if n in sections))
+    (out / "REPORT.md").write_text(header + "\n" + "\n".join(sections[n] for n in names if n in sections))
     return 0
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,18 +71,12 @@ class Sample:
     outran: float = math.nan  # kvgate_requests_outran_estimate_total (gateway)
 
 
-def to_engine_time(
-    records: Sequence[RequestRecord], samples: Sequence[Sample]
-) -> tuple[list[RequestRecord], list[Sample]]:
-    """Re-express client-side times on the simulator's virtual clock (interpolated between samples).
-
-    The simulator keeps its modelled time even when the CPU cannot keep up with the time scale; measuring
-    clients in that same time base keeps results independent of machine load. Without a clock (a real vLLM)
-    nothing changes.
-    """
+def engine_clock(samples: Sequence[Sample]) -> Callable[[float], float] | None:
+    """Harness time -> the simulator's virtual clock, interpolated between samples and aligned at the first
+    one; None without a clock (a real vLLM)."""
     pts = sorted((s.t, s.clock) for s in samples if not math.isnan(s.clock))
     if len(pts) < 2:
-        return list(records), list(samples)
+        return None
     xs = [p[0] for p in pts]
     base = pts[0][1] - pts[0][0]
 
@@ -95,11 +89,30 @@ def to_engine_time(
         (x0, y0), (x1, y1) = pts[i - 1], pts[i]
         return y0 - base + (y1 - y0) * (t - x0) / (x1 - x0 or 1.0)
 
-    new_samples = [dataclasses.replace(s, t=f(s.t)) for s in samples]
-    new_records = []
+    return f
+
+
+def to_engine_time(
+    records: Sequence[RequestRecord], samples: Sequence[Sample]
+) -> tuple[list[RequestRecord], list[Sample]]:
+    """Re-express client-side times on the simulator's virtual clock (interpolated between samples).
+
+    The simulator keeps its modelled time even when the CPU cannot keep up with the time scale; measuring
+    clients in that same time base keeps results independent of machine load. Without a clock (a real vLLM)
+    nothing changes.
+    """
+    f = engine_clock(samples)
+    if f is None:
+        return list(records), list(samples)
+    return retime_records(f, records), [dataclasses.replace(s, t=f(s.t)) for s in samples]
+
+
+def retime_records(f: Callable[[float], float], records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    """Each record's times through ``f`` (durations as differences of retimed instants)."""
+    out = []
     for r in records:
         sent = f(r.sent)
-        new_records.append(
+        out.append(
             dataclasses.replace(
                 r,
                 sent=sent,
@@ -108,7 +121,7 @@ def to_engine_time(
                 finished=None if r.finished is None else f(r.finished),
             )
         )
-    return new_records, new_samples
+    return out
 
 
 def counter_increase(values: Sequence[float]) -> float:
