@@ -10,6 +10,7 @@ place where rejections and client disconnects are counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -98,6 +99,8 @@ class RequestPath:
                 await writer.error(exc, [(b"x-request-id", request_id.encode())])
             else:
                 log.warning("request %s failed after the response started: %s", request_id, exc.message)
+                with contextlib.suppress(OSError, ClientDisconnected):  # the client may be gone as well
+                    await writer.stream_error(exc)
         except ClientDisconnected:
             self.metrics.client_disconnects.labels("body").inc()
         except asyncio.CancelledError:

@@ -129,3 +129,32 @@ def test_engine_busy_and_usage_parsing() -> None:
     assert not is_engine_busy(b'{"error":{"message":"bad","code":400}}')
     assert not is_engine_busy(b"<html>")
     assert parse_usage(BODY) is not None and parse_usage(b'{"usage": null}') is None
+
+
+async def test_a_stream_cut_after_its_head_ends_with_an_error_event() -> None:
+    """The engine dies mid-stream: the client's event stream ends with an OpenAI-shaped error event, not by
+    just stopping; a JSON response or a finished stream takes no event."""
+    from gateway.protocol.errors import GatewayError
+    from gateway.server.response import ResponseWriter
+
+    sent: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    err = GatewayError(
+        502, "The inference engine dropped the connection.", type="upstream_error", code="upstream_disconnected"
+    )
+    writer = ResponseWriter(send)
+    await writer.start(200, [(b"content-type", b"text/event-stream; charset=utf-8")])
+    await writer.body(b'data: {"choices": []}\n\n', more=True)
+    assert await writer.stream_error(err)
+    assert sent[-2]["body"] == b"data: " + err.body() + b"\n\n" and sent[-1] == {
+        "type": "http.response.body",
+        "body": b"",
+        "more_body": False,
+    }
+    assert not await writer.stream_error(err)  # finished: nothing more
+    plain = ResponseWriter(send)
+    await plain.start(200, [(b"content-type", b"application/json")])
+    assert not await plain.stream_error(err)
