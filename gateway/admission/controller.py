@@ -288,11 +288,6 @@ class AdmissionController:
                 best = candidate
         return None if best is None else (best[2], best[1])
 
-    def fits(self, blocks: int, now: float) -> float | None:
-        """The projected usage (0..1) of the engine ``blocks`` more would be placed on, if any has room."""
-        placed = self.place(blocks, now)
-        return None if placed is None else placed[1]
-
     def projected_blocks(self, extra_blocks: int, now: float) -> int | None:
         """Of a pool of one: the blocks its engine may hold with ``extra_blocks`` more."""
         return self.only.projected_blocks(extra_blocks, now)
@@ -312,11 +307,6 @@ class AdmissionController:
         book.placements += 1
         res.projected_usage = projected_usage  # what the decision saw, for the metrics
         return res
-
-    def projected_usage(self, now: float) -> float | None:
-        """The highest projected usage over the engines (None: none is known)."""
-        known = [u for b in self.engines.values() if (u := b.projected_usage(now)) is not None]
-        return max(known) if known else None
 
     # --- requests -----------------------------------------------------------------------------------
 

@@ -233,9 +233,10 @@ class Gateway:
         observed = pool_usage(books)
         if observed is not None:
             yield "kvgate_kv_usage_observed", (), observed
-        projected = c.projected_usage(now)
-        if projected is not None:
-            yield "kvgate_kv_usage_projected", (), projected
+        projections = {b.name: b.projected_usage(now) for b in books}  # a lockstep peak each: once per scrape
+        known = [u for u in projections.values() if u is not None]
+        if known:
+            yield "kvgate_kv_usage_projected", (), max(known)
         yield "kvgate_reserved_blocks", (), float(sum(b.ledger.reserved_blocks for b in books))
         yield "kvgate_inflight_requests", (), float(c.in_flight())
         yield "kvgate_queue_depth", (), float(len(c.queue))
@@ -251,7 +252,7 @@ class Gateway:
         for state in ("placeable", "ejected", "leaving"):
             yield "kvgate_pool_engines", (state,), float(sum(1 for b in books if engine_state(b) == state))
         for b in books:
-            yield from engine_readings(b, now)
+            yield from engine_readings(b, projections[b.name])
         yield "kvgate_ready", (), 1.0 if self.is_ready()[0] else 0.0
         redis = self.counters.redis
         yield "kvgate_redis_up", (), 1.0 if redis is not None and redis.healthy else 0.0
@@ -336,12 +337,11 @@ def engine_state(book: EngineBook) -> str:
     return "leaving" if book.leaving else "ejected" if book.ejected else "placeable"
 
 
-def engine_readings(book: EngineBook, now: float) -> Iterator[Reading]:
+def engine_readings(book: EngineBook, projected: float | None) -> Iterator[Reading]:
     """One engine's gauges and counters, labelled by its URL."""
     label = (book.name,)
     if book.sample is not None:
         yield "kvgate_engine_kv_usage_observed", label, book.sample.usage
-    projected = book.projected_usage(now)
     if projected is not None:
         yield "kvgate_engine_kv_usage_projected", label, projected
     if book.geometry is not None:

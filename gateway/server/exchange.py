@@ -89,17 +89,20 @@ class Exchange:
 
     async def admit(self) -> None:
         """A KV reservation: admitted now, or after waiting in the queue for what is left of the wait budget."""
+        await self._admit(self.slot_wait_s, self.client.retry)
+
+    async def _admit(self, waited_s: float, retry: bool) -> None:
         tenant = self._tenant()
         assert self.cost is not None
         self._stage = "queued"
         self.admission = await self._admitter.acquire(
             self.cost,
             tenant.tenant,
-            max(0.0, self.wait_budget_s - self.slot_wait_s),
+            max(0.0, self.wait_budget_s - waited_s),
             tenant.qclass,
             self.body_bytes,
             self.key,
-            self.client.retry,
+            retry,
         )
         self._stage = "waiting"
 
@@ -113,25 +116,14 @@ class Exchange:
         """The engine refused the connection, so nothing was sent: eject it and place the request again, on
         another engine, with what is left of its wait budget (its reservation there is given back first).
         False in a pool of one, where there is nowhere else to go."""
-        assert self.admission is not None and self.cost is not None
+        assert self.admission is not None
         if not self._admitter.unreachable(self.engine):
             return False
         self.reached_engine = False
         self._admitter.release(self.admission.reservation, "engine_unreachable")
         waited = self.slot_wait_s + self.admission.waited_s
-        tenant = self._tenant()
         self.admission = None
-        self._stage = "queued"
-        self.admission = await self._admitter.acquire(
-            self.cost,
-            tenant.tenant,
-            max(0.0, self.wait_budget_s - waited),
-            tenant.qclass,
-            self.body_bytes,
-            self.key,
-            retry=True,
-        )
-        self._stage = "waiting"
+        await self._admit(waited, retry=True)
         return True
 
     @property

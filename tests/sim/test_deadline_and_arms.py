@@ -4,9 +4,9 @@ the report's estimator and deadline summaries on hand-made records."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,25 @@ def test_kvgate_worst_arm_turns_the_estimate_off() -> None:
         compare.gateway_config(sc, "http://x", "direct")
 
 
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def send_to(handler: Handler, arrival: scenario.Arrival, clock: runner.Clock) -> list[RequestRecord]:
+    """``runner.send_with_retry`` against a one-route server on a free 127.0.0.1 port, stopped afterwards."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    run = web.AppRunner(app)
+    await run.setup()
+    site = web.TCPSite(run, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await runner.send_with_retry(session, f"http://127.0.0.1:{port}", arrival, 1, "m", clock, {})
+    finally:
+        await run.cleanup()
+
+
 async def test_retry_after_once_and_wait_header() -> None:
     seen: list[dict[str, str]] = []
 
@@ -81,20 +100,8 @@ async def test_retry_after_once_and_wait_header() -> None:
         await resp.write(b'data: {"choices": [], "usage": {"completion_tokens": 5}}\n\ndata: [DONE]\n\n')
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    run = web.AppRunner(app)
-    await run.setup()
-    site = web.TCPSite(run, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        a = scenario.Arrival(0.0, "c", 3, 5, "completions", None, max_wait_s=10.0, retry_once=True)
-        async with aiohttp.ClientSession() as session:
-            clock = runner.Clock(0.5)
-            recs = await runner.send_with_retry(session, f"http://127.0.0.1:{port}", a, 1, "m", clock, {})
-    finally:
-        await run.cleanup()
+    a = scenario.Arrival(0.0, "c", 3, 5, "completions", None, max_wait_s=10.0, retry_once=True)
+    recs = await send_to(handler, a, runner.Clock(0.5))
     assert [r.attempt for r in recs] == [0, 1]
     assert seen[0]["x-kvgate-max-wait-s"] == "5"  # 10 simulated seconds at time scale 0.5
     assert [h["x-stainless-retry-count"] for h in seen] == ["0", "1"]  # numbered as the OpenAI SDKs do
@@ -103,28 +110,11 @@ async def test_retry_after_once_and_wait_header() -> None:
     assert recs[1].sent - recs[0].sent >= 0.1 / 0.5 * 0.9
 
 
-def test_no_retry_without_the_policy() -> None:
-    async def go() -> list[RequestRecord]:
-        async def handler(request: web.Request) -> web.Response:
-            return web.json_response({"error": {"code": "queue_full"}}, status=429, headers={"Retry-After": "0"})
+async def test_no_retry_without_the_policy() -> None:
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"code": "queue_full"}}, status=429, headers={"Retry-After": "0"})
 
-        app = web.Application()
-        app.router.add_post("/v1/completions", handler)
-        run = web.AppRunner(app)
-        await run.setup()
-        site = web.TCPSite(run, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
-            async with aiohttp.ClientSession() as session:
-                a = scenario.Arrival(0.0, "c", 3, 5, "completions", None)
-                return await runner.send_with_retry(
-                    session, f"http://127.0.0.1:{port}", a, 1, "m", runner.Clock(1.0), {}
-                )
-        finally:
-            await run.cleanup()
-
-    recs = asyncio.run(go())
+    recs = await send_to(handler, scenario.Arrival(0.0, "c", 3, 5, "completions", None), runner.Clock(1.0))
     assert len(recs) == 1 and recs[0].status == 429
 
 
