@@ -427,6 +427,7 @@ def test_client_disconnect_mid_stream_frees_the_engine(engine: VllmEngine, gatew
             break
         time.sleep(0.2)
     after = scrape(engine.base_url, timeout_s=10)
+
     # vLLM counts finished requests by reason; an aborted one may be counted too (finished_reason="abort"), some
     # runs do and some do not. None may have run to the end: with ignore_eos that is reason "length".
     def finished(reason: str) -> float:
