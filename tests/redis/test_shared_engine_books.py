@@ -1,7 +1,7 @@
-"""Two gateway replicas in front of one engine, one real Redis: a burst split between them lands between two
-scrapes, and neither replica's metrics show the other's admissions yet. With the shared engine books each
-admission claims its blocks in Redis first, so together they stay under the high watermark; without them each
-fills the engine on its own (the control arm)."""
+"""Two gateway replicas in front of one engine (and of a pool of two), one real Redis: a burst split between them
+lands between two scrapes, and neither replica's metrics show the other's admissions yet. With the shared engine
+books each admission claims its blocks in Redis first, so together they stay under the high watermark on every
+engine; without them each fills the engine on its own (the control arm)."""
 
 from __future__ import annotations
 
@@ -60,5 +60,29 @@ def test_two_replicas_bursting_into_one_engine_between_two_scrapes(
         print(f"\n[shared books] peak {peak} of {NUM_BLOCKS} blocks (cap {HIGH_BLOCKS}); {claims:.0f} claims refused")
     else:
         assert peak > HIGH_BLOCKS, peak  # the premise: alone, each replica fills the engine on its own account
+    for url in replicas:
+        assert_ledger_empty(url)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["each-replica-alone", "shared-books"])
+def test_two_replicas_bursting_into_a_pool_of_two_engines(
+    redis_server: RedisServer, mini_vllm: Callable[..., str], gateway: Callable[..., str], share: bool
+) -> None:
+    """The issue's check: two replicas, each placing into the same two engines, claim per engine: a burst twice
+    the one-engine burst leaves every engine at or under the high watermark, and both engines take work."""
+    engines = [mini_vllm(num_blocks=NUM_BLOCKS, block_size=BLOCK, token_delay_ms=2) for _ in range(2)]
+    replicas = [
+        gateway(engines[0], config(redis_server.url, share), extra_args=["--upstream", engines[1]]) for _ in range(2)
+    ]
+    statuses = fire_split(replicas, bodies(480, seed=11))
+    assert statuses and all(s == 200 for s in statuses), sorted(set(statuses))
+    stats = [httpx.get(url + "/debug/stats").json() for url in engines]
+    peaks = [s["peak_blocks"] for s in stats]
+    assert all(s["completed"] > 0 for s in stats), [s["completed"] for s in stats]  # both engines took work
+    if share:
+        print(f"\n[shared books, pool of two] peaks {peaks} of {NUM_BLOCKS} blocks each (cap {HIGH_BLOCKS})")
+        assert all(peak <= HIGH_BLOCKS for peak in peaks), peaks  # actual usage, tracked by each engine at every token
+    else:
+        assert max(peaks) > HIGH_BLOCKS, peaks  # the premise: alone, each replica fills the engines on its own account
     for url in replicas:
         assert_ledger_empty(url)
