@@ -3,7 +3,8 @@
 Gauges and counters are read from the engine at scrape time; the latency histograms are observed by the
 server when requests finish. Every ``vllm:`` series carries ``engine="0"`` and ``model_name``, except
 ``vllm:admission_rejections_total``, which (as in vLLM) has ``model_name`` and ``reason`` only. A restarted
-engine gets a fresh :class:`SimMetrics`, so its counters start again from zero, as a restarted vLLM's do.
+engine gets a fresh :class:`SimMetrics`, so its counters start again from zero and ``process_start_time_seconds``
+moves on, as a restarted vLLM's do.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ class _EngineCollector(Collector):
             c.add_metric(base, value, created=created)
             return c
 
+        # prometheus-client's process collector in vLLM's API server; a new incarnation is a new process
+        yield GaugeMetricFamily(
+            "process_start_time_seconds", "Start time of the process since unix epoch in seconds.", value=created
+        )
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", len(eng.running))
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", len(eng.waiting))
         by_reason = GaugeMetricFamily(

@@ -180,6 +180,7 @@ def test_oom_restart_fails_running_requests_with_500(sim: StartSim) -> None:
     # 636 blocks, 164-token steps: 40 prompts of 19 blocks, growing by 7 each, overfill the pool while
     # later prompts are still prefilling.
     proc = sim(*FAST, "--kv-scale", "0.02", "--restart-delay", "5")
+    started = metric(httpx.get(proc.url + "/metrics").text, "process_start_time_seconds")
     responses = asyncio.run(burst(proc.url, 40, 300, 100))
     failed = [r for r in responses if r.status_code == 500]
     assert failed, [r.status_code for r in responses]
@@ -193,6 +194,7 @@ def test_oom_restart_fails_running_requests_with_500(sim: StartSim) -> None:
     assert metric(text, "kvgate_sim_oom_crashes_total") >= 1
     assert metric(text, "kvgate_sim_engine_restarts_total") >= 1
     assert metric(text, "vllm:generation_tokens_total") == 0  # a restarted engine's counters start again
+    assert metric(text, "process_start_time_seconds") > started  # and it is a new process, as vLLM's would be
 
 
 def test_oom_exit_mode_kills_the_process(sim: StartSim) -> None:
