@@ -108,6 +108,25 @@ class OutputEstimateConfig(_Model):
     )
 
 
+class PrefixAffinityConfig(_Model):
+    """In a pool, send a request whose prompt starts like an earlier one's to the engine that took that one, so
+    vLLM's prefix cache hits there (docs/pool.md); a tie-breaker that never overrides safety."""
+
+    enabled: bool = Field(True, description="Place by prompt prefix when it costs little headroom (pools only).")
+    max_headroom_cost: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="The affine engine is taken only while its projected KV usage after the request is at most "
+        "this much above the best engine's: the imbalance affinity may cause.",
+    )
+    chunk_bytes: int = Field(
+        256, ge=16, description="Prompt bytes per hashed chunk (~64 tokens of English: a few KV blocks)."
+    )
+    max_chunks: int = Field(64, ge=1, description="Leading chunks hashed per request (64 x 256 B: 16 KiB).")
+    max_entries: int = Field(65536, ge=1, description="Chunk hashes remembered, least recently used dropped first.")
+
+
 class AdmissionConfig(_Model):
     high_watermark: float = Field(0.90, gt=0, le=1)
     low_watermark: float = Field(0.80, gt=0, le=1)
@@ -146,6 +165,7 @@ class AdmissionConfig(_Model):
     )
 
     output_estimate: OutputEstimateConfig = OutputEstimateConfig()
+    prefix_affinity: PrefixAffinityConfig = PrefixAffinityConfig()
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> AdmissionConfig:

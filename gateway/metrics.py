@@ -7,6 +7,7 @@ them from whoever holds the state (set as its ``source`` by the server), at scra
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -64,6 +65,10 @@ STATE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "kvgate_engine_ejections": ("Times an engine was ejected, by reason (scrape, connect)", ("engine", "reason")),
     "kvgate_engine_restarts": ("Restarts seen on an engine (its counters went back)", ("engine",)),
     "kvgate_requests_outran_estimate": ("Requests that outran their expected output and grew their reservation", ()),
+    "kvgate_prefix_affinity_placements": (
+        "Requests placed on the engine that took their prompt's prefix rather than the one with most headroom",
+        (),
+    ),
     "kvgate_tokenize_cache_lookups": (
         "Engine /tokenize counts looked up in the whole-request cache, by result (hit: no round trip)",
         ("result",),
@@ -124,6 +129,25 @@ class StateGauges(Collector):
 
 def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
+
+
+M = TypeVar("M", Counter, Histogram)
+
+
+class Children(Generic[M]):
+    """A labelled metric's children, by label values. prometheus-client's ``labels()`` validates, converts and
+    locks on every call; the hot path asks for the same few children on every request, so a dict lookup it is.
+    It keeps what the metric keeps anyway (one child per label set seen)."""
+
+    def __init__(self, metric: M) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], M] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
 
 
 class GatewayMetrics:
@@ -200,6 +224,7 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.released_by = Children(self.released)
         self.client_disconnects = Counter(
             "kvgate_client_disconnects", "Clients that went away, by stage", ["stage"], registry=r
         )
@@ -211,13 +236,7 @@ class GatewayMetrics:
             ["tenant", "priority"],
             registry=r,
         )
-        self.class_queue_wait = Histogram(
-            "kvgate_class_queue_wait_seconds",
-            "Time from arrival to admission, by priority class",
-            ["priority"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        self.tenant_admitted_tokens_by = Children(self.tenant_admitted_tokens)
         self.shed = Counter(
             "kvgate_requests_shed",
             "Queued requests pushed out of a full queue by a higher class",

@@ -18,11 +18,14 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gateway.admission.affinity import prefix_chain
 from gateway.admission.controller import DEFAULT_ENGINE, AdmissionController, Admitted, Queued, UsageSample
 from gateway.admission.ledger import Reservation
 from gateway.admission.queue import PRIORITIES, QueueClass, Ticket
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError, queue_full, queue_timeout, wait_predicted
+from gateway.protocol.prompt_prefix import leading_bytes
+from gateway.protocol.requests import InferenceRequest
 from gateway.tokens.cost import RequestCost
 
 # Releases that are not a request finishing on the engine: they say nothing of the rate the line moves at.
@@ -77,6 +80,15 @@ class Admitter:
         self._restating: set[str] = set()  # engines whose claims are being restated now
         self._waiters: dict[int, tuple[Ticket, asyncio.Future[Reservation], asyncio.TimerHandle]] = {}
 
+    def prefix_of(self, request: InferenceRequest) -> tuple[int, ...]:
+        """The chunk hashes prefix affinity places ``request`` by; none for a pool of one (nothing to choose
+        between) or with affinity off, so the sidecar layout pays nothing for it."""
+        config = self.controller.config.prefix_affinity
+        if not config.enabled or len(self.controller.engines) < 2:
+            return ()
+        data = leading_bytes(request, config.chunk_bytes * config.max_chunks)
+        return prefix_chain(data, config.chunk_bytes, config.max_chunks)
+
     async def acquire(
         self,
         cost: RequestCost,
@@ -86,6 +98,7 @@ class Admitter:
         body_bytes: int = 0,
         key: tuple[str, ...] = (),
         retry: bool = False,
+        prefix: tuple[int, ...] = (),
     ) -> Admission:
         """Admit now, or wait in the queue until admitted (raises 429/503 when refused or out of time). With
         shared books, the admission also claims its blocks for the other replicas to see; a claim refused
@@ -96,7 +109,7 @@ class Admitter:
         budget = self.controller.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         while True:
             remaining = max(0.0, budget - (self.clock() - started))
-            admission = await self._acquire_here(cost, tenant, remaining, qclass, body_bytes, key, retry)
+            admission = await self._acquire_here(cost, tenant, remaining, qclass, body_bytes, key, retry, prefix)
             if self.shared is None or await self._claimed(admission.reservation):
                 return admission
             self.release(admission.reservation, "claim_refused")
@@ -129,11 +142,12 @@ class Admitter:
         body_bytes: int,
         key: tuple[str, ...],
         retry: bool,
+        prefix: tuple[int, ...],
     ) -> Admission:
         """Admit now, or wait in the queue until admitted, by this replica's own books."""
         qclass = qclass or QueueClass()
         now = self.clock()
-        decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass, body_bytes, key, retry)
+        decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass, body_bytes, key, retry, prefix)
         if isinstance(decision, Admitted):
             self.metrics.admitted.inc()
             self._on_admitted(0.0, decision.reservation, qclass)
@@ -209,11 +223,11 @@ class Admitter:
 
     def _on_admitted(self, waited_s: float, reservation: Reservation, qclass: QueueClass) -> None:
         """The waiting request has its reservation (``admitted`` was counted when it was made)."""
-        self.metrics.projected_at_admission.observe(reservation.projected_usage)
-        self.metrics.queue_wait.observe(waited_s)
-        name = PRIORITIES[qclass.priority]
-        self.metrics.class_queue_wait.labels(name).observe(waited_s)
-        self.metrics.tenant_admitted_tokens.labels(reservation.tenant, name).inc(reservation.cost.total_tokens)
+        metrics = self.metrics
+        metrics.projected_at_admission.observe(reservation.projected_usage)
+        metrics.queue_wait.observe(waited_s)
+        tokens = metrics.tenant_admitted_tokens_by(reservation.tenant, PRIORITIES[qclass.priority])
+        tokens.inc(reservation.cost.total_tokens)
 
     def learn(self, reservation: Reservation, completion_tokens: int) -> None:
         """A request completed with ``completion_tokens``: the output-length estimate learns it."""
@@ -224,7 +238,7 @@ class Admitter:
         finished = outcome not in NOT_FINISHED
         if not self.controller.release(reservation, self.clock(), finished=finished):
             return False
-        self.metrics.released.labels(outcome).inc()
+        self.metrics.released_by(outcome).inc()
         if self.shared is not None:
             self._spawn(self._restate(reservation.engine, {str(reservation.id): 0}))
         self.pump()

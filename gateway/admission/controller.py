@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.admission.affinity import PrefixMap
 from gateway.admission.engine import EngineBook, SampleVerdict, UsageSample
 from gateway.admission.gate import HysteresisGate
 from gateway.admission.ledger import ENGINE_LEAD_TOKENS, Ledger, Reservation
@@ -178,6 +179,8 @@ class AdmissionController:
         self.caution = Caution(est.quantile, est.relax_after_s)
         self.outran = 0  # requests that outran their estimate (and grew their reservation)
         self.returns = ReturnBook()
+        self.affinity = PrefixMap(config.prefix_affinity.max_entries)
+        self.affinity_placements = 0  # placed on the engine that took its prefix, over the most headroom
 
     # --- the pool -----------------------------------------------------------------------------------
 
@@ -273,20 +276,33 @@ class AdmissionController:
 
     # --- the decision -------------------------------------------------------------------------------
 
-    def place(self, blocks: int, now: float) -> tuple[EngineBook, float] | None:
+    def place(self, blocks: int, now: float, prefix: tuple[int, ...] = ()) -> tuple[EngineBook, float] | None:
         """The engine where ``blocks`` more fit with the most headroom left after them, and its projected
-        usage then; None when no engine has room. A stale engine is chosen only when no fresh one fits."""
+        usage then; None when no engine has room. A stale engine is chosen only when no fresh one fits.
+
+        With a ``prefix`` (its prompt's chunk hashes), the engine that took the longest known part of it is
+        preferred while its usage after would be at most ``prefix_affinity.max_headroom_cost`` above the
+        best's (and as fresh): its prefix cache holds those blocks."""
         best: tuple[bool, float, EngineBook] | None = None
+        fitting: dict[str, tuple[bool, float, EngineBook]] = {}
         for book in self.engines.values():
             if not book.placeable:
                 continue
             usage = book.fits(blocks, now)
             if usage is None:
                 continue
-            candidate = (book.is_stale(now), usage, book)
+            candidate = fitting[book.name] = (book.is_stale(now), usage, book)
             if best is None or candidate[:2] < best[:2]:
                 best = candidate
-        return None if best is None else (best[2], best[1])
+        if best is None:
+            return None
+        if prefix and len(fitting) > 1 and (hit := self.affinity.lookup(prefix)) is not None:
+            affine = fitting.get(hit[0])
+            cost = self.config.prefix_affinity.max_headroom_cost
+            if affine is not None and affine[2] is not best[2] and affine[0] <= best[0] and affine[1] <= best[1] + cost:
+                self.affinity_placements += 1
+                best = affine
+        return best[2], best[1]
 
     def projected_blocks(self, extra_blocks: int, now: float) -> int | None:
         """Of a pool of one: the blocks its engine may hold with ``extra_blocks`` more."""
@@ -301,7 +317,10 @@ class AdmissionController:
         tenant: str,
         now: float,
         projected_usage: float,
+        prefix: tuple[int, ...] = (),
     ) -> Reservation:
+        if prefix:
+            self.affinity.record(prefix, book.name)
         res = book.ledger.reserve(cost, tenant, now, full, key)
         res.engine = book.name
         book.placements += 1
@@ -320,6 +339,7 @@ class AdmissionController:
         body_bytes: int = 0,
         key: tuple[str, ...] = (),
         retry: bool = False,
+        prefix: tuple[int, ...] = (),
     ) -> Decision:
         """Admit now if nothing of this class or a higher one waits and it fits; otherwise queue (possibly
         shedding a lower-class ticket), or reject when the queue (or the tenant's share of it) is full. A
@@ -328,9 +348,9 @@ class AdmissionController:
         A queued ticket may be at the head already: the caller pumps right after."""
         qclass = qclass or QueueClass()
         expected = self.expected_cost(cost, key)
-        if not self.queue.waiting_at_or_above(qclass.priority) and (placed := self.place(expected.blocks, now)):
+        if not self.queue.waiting_at_or_above(qclass.priority) and (placed := self.place(expected.blocks, now, prefix)):
             book, usage = placed
-            return Admitted(self._reserve(book, expected, cost, key, tenant, now, usage))
+            return Admitted(self._reserve(book, expected, cost, key, tenant, now, usage, prefix))
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         ahead = self.queue.prospective_position(tenant, qclass.priority, retry)
         predicted = self.predicted_wait(ahead, now)
@@ -350,6 +370,7 @@ class AdmissionController:
             full=cost,
             key=key,
             retry=retry,
+            prefix=prefix,
         )
         pushed = self.queue.push(ticket)
         if isinstance(pushed, Refused):
@@ -362,11 +383,13 @@ class AdmissionController:
     def pump(self, now: float) -> list[tuple[Ticket, Reservation]]:
         """Admit from the head of the queue (highest class, fairest tenant) while the head fits."""
         admitted = []
-        while (head := self.queue.peek()) is not None and (placed := self.place(head.cost.blocks, now)):
+        while (head := self.queue.peek()) is not None and (placed := self.place(head.cost.blocks, now, head.prefix)):
             self.queue.pop()
             book, usage = placed
             full = head.full or head.cost
-            admitted.append((head, self._reserve(book, head.cost, full, head.key, head.tenant, now, usage)))
+            admitted.append(
+                (head, self._reserve(book, head.cost, full, head.key, head.tenant, now, usage, head.prefix))
+            )
         return admitted
 
     def expire(self, now: float) -> list[Ticket]:

@@ -59,6 +59,7 @@ class Ticket:
     full: RequestCost | None = None  # the request's whole budget, when ``cost`` is only what it is expected to use
     key: tuple[str, ...] = ()  # (model, endpoint, tenant): whose output lengths it is estimated from
     retry: bool = False  # came back after a refusal: queued ahead of its tenant's first attempts
+    prefix: tuple[int, ...] = ()  # its prompt's chunk hashes, for prefix affinity in a pool
     eta_s: float | None = None  # the wait it was told to expect on arrival (None: the finish rate was unknown)
     start: float = 0.0
     finish: float = 0.0

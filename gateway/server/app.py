@@ -264,6 +264,7 @@ class Gateway:
             if expected is not None and expected < BEYOND:
                 yield "kvgate_output_tokens_expected", (str(q),), float(expected)
         yield "kvgate_requests_outran_estimate", (), float(c.outran)
+        yield "kvgate_prefix_affinity_placements", (), float(c.affinity_placements)
         yield "kvgate_tokenizer_info", (self.costs.counter.kind, self.costs.counter.source), 1.0
         yield "kvgate_tokenize_cache_lookups", ("hit",), float(self.tokenize_cache.hits)
         yield "kvgate_tokenize_cache_lookups", ("miss",), float(self.tokenize_cache.misses)

@@ -50,6 +50,7 @@ class Exchange:
         self.tenant: TenantPolicy | None = None
         self.cost: RequestCost | None = None
         self.key: tuple[str, ...] = ()  # (model, route, tenant): whose output lengths estimate this one
+        self.prefix: tuple[int, ...] = ()  # its prompt's chunk hashes: prefix affinity in a pool
         self.client = ClientHints()  # what the client's headers say about waiting
         self.charge: Charge | None = None
         self.slot: Slot | None = None
@@ -103,6 +104,7 @@ class Exchange:
             self.body_bytes,
             self.key,
             retry,
+            self.prefix,
         )
         self._stage = "waiting"
 

@@ -140,6 +140,7 @@ class RequestPath:
         if self.draining():  # a drain began while this one was being read or tokenized: it holds nothing yet
             raise shutting_down(1.0)
         await exchange.take_slot()
+        exchange.prefix = self.admitter.prefix_of(request)  # in a pool: the engine whose prefix cache has it
         await exchange.admit()
         # 6. forward and stream, on the engine it was placed on. An engine that refused the connection got
         #    nothing of it: that engine is ejected and the request placed again (a pool of one answers 503)

@@ -1,0 +1,40 @@
+"""The leading bytes of a request's prompt: what prefix affinity (:mod:`gateway.admission.affinity`) keys on."""
+
+from __future__ import annotations
+
+from array import array
+
+from gateway.protocol.requests import InferenceRequest
+
+
+def leading_bytes(request: InferenceRequest, limit: int) -> bytes:
+    """The first ``limit`` bytes of what the engine will see first: a chat's messages (role, then text) in
+    order, or the first prompt (text, or token ids as machine integers). Non-text content parts are skipped:
+    they change the prompt but this key only has to be the same for the same leading text."""
+    if request.messages is not None:
+        parts: list[bytes] = []
+        size = 0
+        for message in request.messages:
+            for piece in _message_texts(message):
+                data = piece.encode("utf-8", "surrogatepass")
+                parts.append(data)
+                size += len(data)
+                if size >= limit:
+                    return b"".join(parts)[:limit]
+        return b"".join(parts)
+    if not request.prompts:
+        return b""
+    first = request.prompts[0]
+    if isinstance(first, str):
+        return first[:limit].encode("utf-8", "surrogatepass")[:limit]  # a character is at least one byte
+    return array("q", first[: limit // 8]).tobytes()
+
+
+def _message_texts(message: dict[str, object]) -> list[str]:
+    texts = [f"\x00{message.get('role', '')}\x00"]
+    content = message.get("content")
+    if isinstance(content, str):
+        texts.append(content)
+    elif isinstance(content, list):
+        texts += [part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
+    return texts
