@@ -315,10 +315,18 @@ class GatewayConfig(_Model):
         "downloaded from HF_ENDPOINT (with HF_TOKEN) into that cache.",
     )
     tokenizer_fast_path: bool = Field(
-        False,
-        description="Price a text prompt far from every limit at the high end of its learned token band instead "
-        "of tokenizing it (once its model and route have learned from served requests). Saves the tokenizer's "
-        "CPU; reserves more prompt blocks than an exact count (the band's high end), so off until measured.",
+        True,
+        description="Skip the tokenizer for a text prompt far from every limit once its model and route have "
+        "learned tokens per byte from served requests (the engine's usage): the limits are checked at the learned "
+        "band's high end, the prompt reserves tokenizer_fast_path_quantile of the learned ratio. Counted exactly "
+        "near a limit, while learning, and when the band is wider than 1% of the KV pool.",
+    )
+    tokenizer_fast_path_quantile: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="Quantile of learned tokens per byte a prompt priced without the tokenizer reserves: above the "
+        "median per prompt, above the true total over the dozens an engine holds at once.",
     )
     model: ModelConfig = ModelConfig()
     admission: AdmissionConfig = AdmissionConfig()

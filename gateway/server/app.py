@@ -90,6 +90,7 @@ class Gateway:
             max_model_len=lambda: config.model.max_model_len or self.pool.model.max_model_len,
             high_watermark=config.admission.high_watermark,
             fast_path=config.tokenizer_fast_path,
+            reserve_quantile=config.tokenizer_fast_path_quantile,
         )
         self.draining = False
         self.requests = RequestPath(

@@ -183,6 +183,16 @@ class PromptLengths:
         low = min(ranked[low_rank - 1] * (1 - self.margin), typical * (1 - self.min_spread))
         return max(0.0, low), typical, high
 
+    def reserved(self, key: Key, size: int, quantile: float) -> int:
+        """Tokens to reserve for a prompt of ``size`` bytes: the ``quantile`` of the learned ratios (the prior's
+        typical ratio while there are too few). Per prompt it is above the median; over the dozens of prompts
+        an engine holds at once the sum is above their true total, as with output lengths."""
+        window = self._keys.get(key)
+        if window is None or len(window.order) < self.min_samples:
+            return round(self.prior.ratio * size)
+        ranked = window.sorted
+        return math.ceil(ranked[min(len(ranked) - 1, int(quantile * len(ranked)))] * size)
+
     def band(self, key: Key, size: int) -> TokenBand:
         low, typical, high = self.ratios(key)
         return TokenBand(math.floor(low * size), round(typical * size), math.ceil(high * size), self.samples(key))

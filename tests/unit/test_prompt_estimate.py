@@ -81,6 +81,17 @@ def test_the_prior_answers_until_min_samples() -> None:
     assert lengths.learned(KEY) and lengths.band(KEY, 1000).estimate == 500 and lengths.band(KEY, 1000).samples == 3
 
 
+def test_a_prompt_reserves_the_quantile_of_the_learned_ratios() -> None:
+    lengths = PromptLengths(min_samples=10, prior=Prior(ratio=0.25, low=0.1, high=1.0))
+    assert lengths.reserved(KEY, 1000, 0.7) == 250  # the prior's typical ratio while learning
+    for tokens in range(201, 301):  # ratios 0.201 .. 0.300
+        lengths.observe(KEY, 1000, tokens)
+    assert lengths.reserved(KEY, 1000, 0.5) == lengths.band(KEY, 1000).estimate == 251
+    assert lengths.reserved(KEY, 1000, 0.7) == 271
+    assert lengths.reserved(KEY, 1000, 1.0) == 300  # the largest seen, no further
+    assert lengths.reserved(KEY, 1000, 0.7) < lengths.band(KEY, 1000).high
+
+
 def test_nonsense_teaches_nothing() -> None:
     lengths = PromptLengths(min_samples=1)
     lengths.observe(KEY, 0, 10)
