@@ -140,7 +140,7 @@ class Children(Generic[M]):
     It keeps what the metric keeps anyway (one child per label set seen)."""
 
     def __init__(self, metric: M) -> None:
-        self.metric = metric
+        self.metric: M = metric
         self._children: dict[tuple[str, ...], M] = {}
 
     def __call__(self, *values: str) -> M:

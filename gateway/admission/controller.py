@@ -225,11 +225,18 @@ class AdmissionController:
     @property
     def geometry(self) -> KvGeometry | None:
         """What a request is priced against: the block size the engines share, and the largest engine's pool
-        (a request that fits none of them never fits)."""
-        known = [b.geometry for b in self.engines.values() if b.geometry is not None]
-        if not known:
-            return None
-        return KvGeometry(block_size=known[0].block_size, num_blocks=max(g.num_blocks for g in known))
+        (a request that fits none of them never fits). Asked twice per request: the largest engine's own
+        geometry is returned when it says exactly that, rather than a new one built each time."""
+        largest: KvGeometry | None = None
+        block_size = 0  # the first known engine's
+        for book in self.engines.values():
+            geometry = book.geometry
+            if geometry is not None and (largest is None or geometry.num_blocks > largest.num_blocks):
+                block_size = block_size or geometry.block_size
+                largest = geometry
+        if largest is None or largest.block_size == block_size:
+            return largest
+        return KvGeometry(block_size=block_size, num_blocks=largest.num_blocks)
 
     def in_flight(self) -> int:
         return sum(len(b.ledger) for b in self.engines.values())

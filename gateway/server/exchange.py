@@ -16,7 +16,7 @@ from typing import Literal
 from gateway.admission.admitter import Admission, Admitter
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError
-from gateway.server.hints import ClientHints
+from gateway.server.hints import NO_HINTS
 from gateway.server.response import ResponseWriter
 from gateway.server.settle import tokens_used
 from gateway.tenants.counters import Charge, TenantCounters
@@ -51,7 +51,7 @@ class Exchange:
         self.cost: RequestCost | None = None
         self.key: tuple[str, ...] = ()  # (model, route, tenant): whose output lengths estimate this one
         self.prefix: tuple[int, ...] = ()  # its prompt's chunk hashes: prefix affinity in a pool
-        self.client = ClientHints()  # what the client's headers say about waiting
+        self.client = NO_HINTS  # what the client's headers say about waiting
         self.charge: Charge | None = None
         self.slot: Slot | None = None
         self.slot_wait_s = 0.0
@@ -80,6 +80,8 @@ class Exchange:
     async def take_slot(self) -> None:
         """One of the tenant's concurrency slots, if it has a limit; waits within the tenant's wait budget."""
         tenant = self._tenant()
+        if tenant.max_concurrent is None:  # no limit, no slot: skip the clock and the call
+            return
         self._stage = "queued"
         started = asyncio.get_running_loop().time()
         self.slot = await self._counters.acquire_slot(

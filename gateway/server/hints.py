@@ -25,6 +25,9 @@ class ClientHints:
     retry: bool = False
 
 
+NO_HINTS = ClientHints()  # what most requests say: one shared instance, not one each
+
+
 def client_hints(headers: list[tuple[bytes, bytes]]) -> ClientHints:
     """One pass over the headers (ASGI servers hand their names over lower-cased); kvgate's own wait header
     wins over the SDK's read timeout."""
@@ -44,4 +47,4 @@ def client_hints(headers: list[tuple[bytes, bytes]]) -> ClientHints:
         if seconds > 0 and seconds != float("inf"):
             wait = max(0.1, seconds - CLIENT_MARGIN_S) if name == b"x-stainless-read-timeout" else seconds
             return ClientHints(wait, retry)
-    return ClientHints(None, retry)
+    return ClientHints(None, retry) if retry else NO_HINTS

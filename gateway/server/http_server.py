@@ -35,6 +35,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from gateway.config import ListenConfig
+from gateway.server.disconnect import CONNECTION_LOSS, ConnectionLoss
 
 log = logging.getLogger("kvgate")
 
@@ -51,13 +52,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     Where the latest request stands is read, when the timer fires, from uvicorn's own state rather than
     tracked per callback: ``on_message_begin`` gives ``self.scope`` a new dict, ``on_headers_complete`` makes
     ``self.cycle`` for that scope, ``on_message_complete`` clears ``cycle.more_body``. So the hot path overrides
-    only ``data_received`` (stamp the time) and ``on_message_begin`` (start a head clock).
+    only ``data_received`` (stamp the time) and ``on_message_begin`` (start a head clock, and hand the request
+    its connection's :class:`~gateway.server.disconnect.ConnectionLoss`, told in ``connection_lost``).
     """
 
     # Slots, not the instance dict: uvicorn's protocol already has 28 attributes, and past 30 CPython 3.11 stops
     # sharing the dict's keys, which un-specialises every ``self.x`` in uvicorn's code (~6k instructions a
     # request, measured with callgrind).
-    __slots__ = ("_clock", "_head_deadline", "_last_read", "_timer", "_timer_at")
+    __slots__ = ("_clock", "_extensions", "_head_deadline", "_last_read", "_loss", "_timer", "_timer_at")
 
     header_timeout_s: ClassVar[float] = 10.0
     body_timeout_s: ClassVar[float] = 30.0
@@ -76,12 +78,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._last_read = 0.0  # loop time of the latest data_received
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = _NEVER  # when it fires
+        self._loss: ConnectionLoss | None = None  # the connection's drop, told to the request in progress
+        self._extensions: dict[str, dict[object, object]] = {}  # every request's scope["extensions"]
 
     # --- hot path: stamp, never cancel ---------------------------------------------------------------
     # (_base_x(self), not super().x(): zero-argument super() costs ~0.6 us a call, a class attribute ~0.1 us)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._loss = ConnectionLoss(self.flow.resume_reading)
+        self._extensions = {CONNECTION_LOSS: {"loss": self._loss}}
         self._last_read = self._clock()
         self._head_deadline = self._last_read + self.header_timeout_s
         self._schedule(self._last_read + self.first_check_s)
@@ -92,6 +98,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         _base_on_message_begin(self)
+        self.scope["extensions"] = self._extensions
         if self.cycle is not None:  # a later request: its head clock starts at its first byte
             start = self._last_read
             self._head_deadline = start + self.header_timeout_s
@@ -100,6 +107,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        if self._loss is not None:
+            self._loss.lost()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

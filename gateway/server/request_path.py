@@ -23,7 +23,7 @@ from gateway.protocol.bodies import parse_body
 from gateway.protocol.errors import GatewayError, payload_too_large, shutting_down
 from gateway.protocol.requests import InferenceRequest
 from gateway.protocol.routes import BodyKind, route
-from gateway.server.disconnect import ClientDisconnected, DisconnectWatch, Receive
+from gateway.server.disconnect import ClientDisconnected, DisconnectWatch, Receive, connection_loss
 from gateway.server.exchange import Exchange
 from gateway.server.hints import client_hints
 from gateway.server.response import ResponseWriter, Send
@@ -71,7 +71,7 @@ class RequestPath:
         or a passthrough."""
         writer = ResponseWriter(send)
         request_id = _request_id(scope["headers"])
-        watch = DisconnectWatch(receive, lambda: writer.finished)
+        watch = DisconnectWatch(receive, lambda: writer.finished, connection_loss(scope))
         exchange = Exchange(request_id, writer, admitter=self.admitter, counters=self.counters, metrics=self.metrics)
         try:
             async with exchange:

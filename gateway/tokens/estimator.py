@@ -97,7 +97,10 @@ class CostEstimator:
 
     def learn(self, request: InferenceRequest, prompt_tokens: int) -> None:
         """What the engine counted (``usage.prompt_tokens``) for a request it served. Only a request with one
-        text prompt teaches (every chat; a batch's usage sums its prompts, and token ids need no estimate)."""
+        text prompt teaches (every chat; a batch's usage sums its prompts, and token ids need no estimate). With
+        the heuristic counting, whose count is itself an estimate, nothing uses what would be learned."""
+        if self.counter.kind == "heuristic":
+            return
         sizes = prompt_sizes(request)
         if sizes is None or len(sizes) != 1 or prompt_tokens <= 0:
             return

@@ -194,8 +194,7 @@ class Forwarder:
         on_progress: Callable[[int], None],
         started: float,
     ) -> Usage | None:
-        chunks = resp.chunks()
-        first = await anext(chunks, b"")
+        first = await resp.next_chunk() or b""
         self.metrics.ttft.observe(time.perf_counter() - started)
         if _first_event_is_busy(first):
             self.metrics.upstream_busy.labels("sse").inc()
@@ -205,7 +204,7 @@ class Forwarder:
         tail = first[-_TAIL_BYTES:]
         await writer.body(first, more=True)
         on_progress(events)
-        async for chunk in chunks:
+        while (chunk := await resp.next_chunk()) is not None:
             await writer.body(chunk, more=True)
             events += chunk.count(b"data:")
             on_progress(events)

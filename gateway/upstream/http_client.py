@@ -179,12 +179,13 @@ class Response:
         value = self.header(b"content-type")
         return "" if value is None else value.split(b";", 1)[0].strip().lower().decode("latin-1")
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Body chunks as they arrive."""
+    async def next_chunk(self) -> bytes | None:
+        """Everything of the body that has arrived, as one piece, once there is some; None after the last.
+        A coroutine, not an async generator: the event loop's async-generator hooks cost a WeakSet entry per
+        response on the hot path."""
         while True:
             if self._chunks:
-                # Everything that has arrived goes out as one piece: nothing waits for more, and a burst of SSE
-                # events costs one write downstream instead of one each.
+                # Nothing waits for more, and a burst of SSE events costs one write downstream instead of one each.
                 if len(self._chunks) == 1:
                     chunk = self._chunks.popleft()
                 else:
@@ -193,17 +194,24 @@ class Response:
                 self._buffered -= len(chunk)
                 if self._buffered <= _PAUSE_ABOVE_BYTES // 2:
                     self.conn.resume()
-                yield chunk
-                continue
+                return chunk
             if self._error is not None:
                 raise self._error
             if self.complete:
-                return
+                return None
             await self._wait()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body chunks as they arrive."""
+        while (chunk := await self.next_chunk()) is not None:
+            yield chunk
 
     async def read(self) -> bytes:
         """The whole body."""
-        return b"".join([chunk async for chunk in self.chunks()])
+        parts = []
+        while (chunk := await self.next_chunk()) is not None:
+            parts.append(chunk)
+        return b"".join(parts)
 
     async def __aenter__(self) -> Response:
         return self

@@ -1,5 +1,6 @@
 """The engine's own prompt counts (``usage.prompt_tokens``) teach the prompt-size estimate: once a route has
-learned enough, every served prompt is scored against the estimate's band (the error histogram on /metrics)."""
+learned enough, every served prompt is scored against the estimate's band (the error histogram on /metrics),
+and the fast path prices prompts far from the limits without asking the engine's /tokenize."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.support.promtext import scrape
 
 
 def test_served_prompts_teach_the_estimate(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:
-    gw = gateway(mini_vllm(), {"tokenizer": "heuristic"})
+    gw = gateway(mini_vllm(), {"tokenizer": "vllm"})  # exact counts from /tokenize, one round trip each
 
     async def send(n: int) -> list[int]:
         async with httpx.AsyncClient(base_url=gw, timeout=60) as client:
@@ -36,5 +37,6 @@ def test_served_prompts_teach_the_estimate(mini_vllm: Callable[..., str], gatewa
     assert set(asyncio.run(send(40))) == {200}
     m = scrape(gw)
     assert m["kvgate_prompt_estimate_ratio_count"] == before + 40  # each served prompt scored against its band
-    assert m["kvgate_prompt_estimate_above_band_total"] == 0  # the heuristic counts alike on both sides
-    assert m["kvgate_prompts_priced_total{by=tokenizer}"] == 240  # the fast path is off by default
+    assert m["kvgate_prompt_estimate_above_band_total"] == 0  # /tokenize and usage count alike
+    assert m["kvgate_prompts_priced_total{by=tokenizer}"] == 200  # while learning: /tokenize
+    assert m["kvgate_prompts_priced_total{by=estimate}"] == 40  # then far from every limit: no round trip
