@@ -31,6 +31,10 @@ EJECT_BASE_S = 1.0
 EJECT_MAX_S = 60.0
 SCRAPE_FAILURES_TO_EJECT = 3  # in a row: one lost scrape is noise, three are an engine in trouble
 
+# Of the engine's pool: how far the ledger's O(n) peak bound may overstate (one block per decoding sequence)
+# before the exact O(n^2) count is worth its CPU at every admission decision.
+BOUND_SLACK = 0.005
+
 
 @dataclass(frozen=True, slots=True)
 class UsageSample:
@@ -157,7 +161,10 @@ class EngineBook:
         if self.is_stale(now):  # no fresh picture of the engine: trust nothing but whole reservations
             stale = ledger.reserved_blocks + extra_blocks + self.others_blocks
             return stale if self.config.stale_policy == "ledger" else None
-        ours = ledger.peak_blocks() if self.config.growth_model == "lockstep" else ledger.reserved_blocks
+        if self.config.growth_model == "lockstep":
+            ours = ledger.peak_blocks(slack_blocks=int(BOUND_SLACK * self.geometry.num_blocks))
+        else:
+            ours = ledger.reserved_blocks
         bound = ours + extra_blocks + self.others_blocks
         if self.config.exclusive_upstream:
             return bound

@@ -1,0 +1,82 @@
+"""The ledger's peak: the inlined exact count equals the plain one (``RequestCost.blocks_after`` of every
+request at every instant), the O(n) bound is never below it and, for single-prompt requests, overstates by at
+most one block per sequence, and ``slack_blocks`` picks the bound only where that is within the slack."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.admission.ledger import ENGINE_LEAD_TOKENS, Ledger, Reservation
+from gateway.tokens.cost import RequestCost, blocks_for
+
+BS = 16
+
+requests = st.lists(
+    st.tuples(
+        st.lists(st.integers(1, 400), min_size=1, max_size=3),  # prompts
+        st.integers(1, 3),  # sequences per prompt
+        st.lists(st.integers(1, 300), min_size=3, max_size=3),  # output budgets (the first len(prompts) used)
+        st.integers(0, 900),  # tokens generated so far, over all sequences
+        st.booleans(),  # decoding (first token seen) or not yet
+    ),
+    max_size=40,
+)
+
+
+def ledger_of(spec: list[tuple[list[int], int, list[int], int, bool]]) -> Ledger:
+    ledger = Ledger(BS)
+    for prompts, copies, budgets, generated, decoding in spec:
+        outputs = tuple(budgets[: len(prompts)])
+        blocks = copies * sum(blocks_for(p + o, BS) for p, o in zip(prompts, outputs, strict=True))
+        cost = RequestCost(tuple(prompts), copies, max(outputs), blocks, outputs)
+        res = ledger.reserve(cost, "t", 0.0, cost, ())
+        if decoding:
+            ledger.progress(res, max(1, generated), 0.1)
+    return ledger
+
+
+def plain_peak(ledger: Ledger) -> int:
+    """The definition, written the slow way."""
+    fixed, decoding = 0, []
+    for res in ledger.live():
+        if res.first_token_at is None:
+            fixed += res.blocks
+            continue
+        seen = min(res.cost.max_output, res.generated // res.cost.num_sequences)
+        decoding.append((max(1, res.cost.max_output - seen), res, seen + ENGINE_LEAD_TOKENS))
+    decoding.sort(key=lambda d: d[0], reverse=True)
+    peak = 0
+    for j, (remaining, _, _) in enumerate(decoding):
+        held = sum(
+            r.cost.blocks_after((per_seq + remaining - 1) * r.cost.num_sequences, BS)
+            for _, r, per_seq in decoding[: j + 1]
+        )
+        peak = max(peak, held)
+    return fixed + peak
+
+
+def sequences(ledger: Ledger) -> int:
+    return sum(r.cost.num_sequences for r in ledger.live() if isinstance(r, Reservation) and r.first_token_at)
+
+
+@settings(max_examples=300, deadline=None)
+@given(spec=requests)
+def test_the_exact_peak_is_the_plain_one_and_the_bound_is_close_above(
+    spec: list[tuple[list[int], int, list[int], int, bool]],
+) -> None:
+    ledger = ledger_of(spec)
+    exact = ledger.peak_blocks()  # <= 40 decoding requests: the exact path
+    assert exact == plain_peak(ledger)
+    bound = ledger.peak_blocks(slack_blocks=10**9)  # any overstatement tolerated: the bound
+    assert exact <= bound
+    if all(len(prompts) == 1 for prompts, *_ in spec):  # (a batch's shorter budgets are counted as its longest)
+        assert bound <= exact + sequences(ledger)
+
+
+def test_the_bound_is_taken_only_within_the_slack() -> None:
+    spec = [([100 + 10 * i], 1, [200, 1, 1], 5 * i + 1, True) for i in range(20)]
+    ledger = ledger_of(spec)
+    exact, bound = ledger.peak_blocks(), ledger.peak_blocks(slack_blocks=20)
+    assert bound > exact  # the bound's rounding shows with 20 sequences
+    assert ledger.peak_blocks(slack_blocks=19) == exact  # 20 sequences could overstate by more than 19
