@@ -154,7 +154,8 @@ class AdmissionConfig(_Model):
     exclusive_upstream: bool = Field(
         True,
         description="All traffic to the engine goes through this gateway (sidecar): the ledger then bounds "
-        "usage from above, which lets the gateway admit as soon as a request ends instead of a scrape later.",
+        "usage from above (prompts priced without the tokenizer: in sum over the requests in flight), which lets "
+        "the gateway admit as soon as a request ends instead of a scrape later.",
     )
     growth_model: Literal["lockstep", "worst_case"] = Field(
         "lockstep",

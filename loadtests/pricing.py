@@ -54,6 +54,13 @@ def corpus() -> list[str]:
     return [p.strip() for t in texts for p in t.split("\n\n") if len(p.strip()) > 40]
 
 
+def code_corpus() -> list[str]:
+    """Blocks of Python source (this repo's own): denser in tokens per byte than prose, for a mix in which
+    long prompts are code and short ones are prose."""
+    files = sorted((ROOT.parent / "gateway").rglob("*.py"))
+    return [b.strip() for f in files for b in f.read_text().split("\n\n\n") if len(b.strip()) > 200]
+
+
 def text_of(rng: random.Random, paragraphs: Sequence[str], tokens: int) -> str:
     parts: list[str] = []
     size = 0
@@ -63,11 +70,14 @@ def text_of(rng: random.Random, paragraphs: Sequence[str], tokens: int) -> str:
     return "\n\n".join(parts)
 
 
-def request_of(rng: random.Random, paragraphs: Sequence[str], a: Arrival, model: str) -> InferenceRequest:
+def request_of(
+    rng: random.Random, paragraphs: Sequence[str], a: Arrival, model: str, long_code: Sequence[str] = ()
+) -> InferenceRequest:
+    """``a`` with a text prompt of about its length; with ``long_code``, prompts past 1,000 tokens are code."""
     body: dict[str, object] = {"model": model}
     if a.sent_max_tokens is not None:
         body["max_tokens"] = a.sent_max_tokens
-    prompt = text_of(rng, paragraphs, a.prompt_tokens)
+    prompt = text_of(rng, long_code if long_code and a.prompt_tokens > 1000 else paragraphs, a.prompt_tokens)
     if a.api == "chat":
         body["messages"] = [
             {"role": "system", "content": "You are a helpful assistant."},
@@ -86,6 +96,7 @@ class Tally:
     prompt_fast: int = 0
     prompt_exact: int = 0
     ratios: list[float] = field(default_factory=list)  # per request priced by estimate: reserved / exact prompt
+    charged_short: int = 0  # priced by estimate, yet charged fewer tokens than an exact count would charge
     cpu_by_estimate_s: float = 0.0  # the fast estimator's CPU on the requests it priced without the tokenizer
     cpu_exact_s: float = 0.0  # the exact estimator's CPU on those same requests
 
@@ -99,7 +110,9 @@ async def _price(costs: CostEstimator, request: InferenceRequest) -> tuple[Reque
     return result, time.process_time() - started
 
 
-async def run(sc: Scenario, tokenizer: HFTokenizer, requests: int, seed: int) -> tuple[Tally, CostEstimator]:
+async def run(
+    sc: Scenario, tokenizer: HFTokenizer, requests: int, seed: int, long_code: bool = False
+) -> tuple[Tally, CostEstimator]:
     cfg = config_from_args(build_parser().parse_args(list(sc.sim_args)))
     geometry = KvGeometry(block_size=cfg.block_size, num_blocks=cfg.num_gpu_blocks)
     max_model_len = sc.max_model_len or cfg.max_model_len
@@ -114,11 +127,11 @@ async def run(sc: Scenario, tokenizer: HFTokenizer, requests: int, seed: int) ->
         )
 
     fast, exact = estimator(True), estimator(False)
-    rng, paragraphs = random.Random(seed), corpus()
+    rng, paragraphs, code = random.Random(seed), corpus(), code_corpus() if long_code else []
     plan = sc.arrivals()
     tally = Tally()
     for i in range(requests):
-        request = request_of(rng, paragraphs, plan[i % len(plan)], cfg.served_model_name)
+        request = request_of(rng, paragraphs, plan[i % len(plan)], cfg.served_model_name, code)
         by_estimate_before = fast.tally.by_estimate
         by_fast, cpu_fast = await _price(fast, request)
         by_count, cpu_exact = await _price(exact, request)
@@ -132,9 +145,10 @@ async def run(sc: Scenario, tokenizer: HFTokenizer, requests: int, seed: int) ->
             else:
                 tally.differed.append(f"fast {by_fast if isinstance(by_fast, str) else 'accepted'}, exact {by_count}")
             continue
-        tally.prompt_fast += sum(by_fast.prompt_tokens)
-        tally.prompt_exact += sum(by_count.prompt_tokens)
-        if fast.tally.by_estimate > by_estimate_before:
+        if fast.tally.by_estimate > by_estimate_before:  # (a counted prompt is exact in both)
+            tally.prompt_fast += sum(by_fast.prompt_tokens)
+            tally.prompt_exact += sum(by_count.prompt_tokens)
+            tally.charged_short += by_fast.charge_tokens < by_count.total_tokens
             tally.ratios.append(sum(by_fast.prompt_tokens) / max(1, sum(by_count.prompt_tokens)))
         fast.learn(request, sum(by_count.prompt_tokens))  # the engine's usage.prompt_tokens, after the answer
     return tally, fast
@@ -152,7 +166,7 @@ def section(name: str, tally: Tally, fast: CostEstimator) -> list[str]:
         f"| {name} | {tally.requests} | {t.by_estimate / max(1, priced):.1%} | {t.near_limit} | "
         f"{tally.refused_both} | {len(tally.differed)} | {tally.prompt_fast / max(1, tally.prompt_exact):.3f} | "
         + (" / ".join(f"{v:.2f}" for v in q) if q else "-")
-        + f" | {errors.above_high} of {errors.count} | "
+        + f" | {errors.above_high} of {errors.count} | {tally.charged_short} | "
         f"{tally.cpu_by_estimate_s / n * 1e3:.3f} | {tally.cpu_exact_s / n * 1e3:.3f} |",
         "<!-- estimate error buckets (actual/estimated, cumulative share): "
         + ", ".join(f"<= {b:g}: {share:.3f}" for b, share in within)
@@ -176,20 +190,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"the scenario's plan (prompt lengths, chat or completion, max_tokens) with real text prompts (Python's "
         f"documentation and this repository's docs), tokenizer `{args.tokenizer.name}`, default settings "
         "(fast path after 200 served requests per model and route, limits checked at the band's high end, prompts "
-        "reserving the 0.7 quantile of tokens per byte, counted exactly within 1% of the pool). The fast "
+        "reserving the 0.7 quantile of tokens per byte, by count or by bytes whichever is higher, counted exactly "
+        "when the band is wider than 1% of the pool). Each scenario runs twice: all prose, and with every prompt "
+        "over 1,000 tokens made of Python source (denser than prose: long prompts then cost more per byte). The fast "
         "estimator learns each request's exact count after pricing it, as kvgate does from the engine's usage.",
         "",
         "| scenario | requests | priced by estimate | counted near a limit | refused by both | decisions that "
-        "differ | prompt tokens reserved, fast / exact (sum) | per request reserved / exact prompt, p1 / p10 / p50 / "
-        "p90 / p99 | past the band's high end | pricing CPU ms/req by estimate | the same requests counted |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "differ | prompt tokens reserved, fast / exact (sum over those priced by estimate) | per request reserved / "
+        "exact prompt, p1 / p10 / p50 / p90 / p99 | past the band's high end | token charge short of exact | "
+        "pricing CPU ms/req by estimate | the same requests counted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in args.scenarios.split(","):
         sc = load(ROOT / "scenarios" / f"{name}.yaml")
-        tally, fast = asyncio.run(run(sc, tokenizer, args.requests, args.seed))
-        lines += section(name, tally, fast)
-        for d in tally.differed[:5]:
-            lines.append(f"<!-- {name}: {d} -->")
+        for long_code in (False, True):
+            tally, fast = asyncio.run(run(sc, tokenizer, args.requests, args.seed, long_code))
+            label = f"{name}, prompts over 1,000 tokens are code" if long_code else name
+            lines += section(label, tally, fast)
+            lines += [f"<!-- {label}: {d} -->" for d in tally.differed[:5]]
     lines += [
         "",
         "Decisions that differ: a request one estimator refused and the other accepted, or refused with another "

@@ -30,8 +30,13 @@ def prefix_chain(data: bytes, chunk_bytes: int, max_chunks: int) -> tuple[int, .
     return tuple(chain)
 
 
+SHARED = "\x00shared"  # a chunk taken by more than one engine (no engine is named so): it prefers none
+
+
 class PrefixMap:
-    """Which engine last took each chunk hash; the least recently used forgotten first beyond ``max_entries``."""
+    """Which engine took each chunk hash (or :data:`SHARED`); the least recently used forgotten first beyond
+    ``max_entries``. A prefix every request starts with (a system prompt) soon reaches every engine and stops
+    deciding anything: only what follows it, a conversation's own turns, still points somewhere."""
 
     def __init__(self, max_entries: int) -> None:
         if max_entries < 1:
@@ -40,18 +45,20 @@ class PrefixMap:
         self._engine_of: OrderedDict[int, str] = OrderedDict()
 
     def lookup(self, chain: tuple[int, ...]) -> tuple[str, int] | None:
-        """The engine that took the longest known prefix of ``chain``, and how many chunks of it matched."""
+        """The engine that took the longest known prefix of ``chain``, and how many chunks of it matched; None
+        when nothing of it is known, or its longest known part is on several engines."""
         for depth in range(len(chain), 0, -1):
             engine = self._engine_of.get(chain[depth - 1])
             if engine is not None:
-                return engine, depth
+                return None if engine == SHARED else (engine, depth)
         return None
 
     def record(self, chain: tuple[int, ...], engine: str) -> None:
         """``engine`` took a request with this prefix: it now holds (or will) these blocks in its cache."""
         entries = self._engine_of
         for h in chain:
-            entries[h] = engine
+            known = entries.get(h)
+            entries[h] = engine if known is None or known == engine else SHARED
             entries.move_to_end(h)
         while len(entries) > self.max_entries:
             entries.popitem(last=False)

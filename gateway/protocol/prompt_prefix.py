@@ -27,7 +27,11 @@ def leading_bytes(request: InferenceRequest, limit: int) -> bytes:
     first = request.prompts[0]
     if isinstance(first, str):
         return first[:limit].encode("utf-8", "surrogatepass")[:limit]  # a character is at least one byte
-    return array("q", first[: limit // 8]).tobytes()
+    ids = first[: limit // 8]
+    try:
+        return array("q", ids).tobytes()
+    except OverflowError:  # an id past 2**63 - 1: the engine will refuse it; any stable key does here
+        return repr(ids).encode()[:limit]
 
 
 def _message_texts(message: dict[str, object]) -> list[str]:

@@ -75,7 +75,7 @@ class Exchange:
     async def charge_rate_limits(self, tenant: TenantPolicy, cost: RequestCost, key: tuple[str, ...] = ()) -> None:
         """Pre-charge the tenant's per-minute limits with prompt + reserved output (429 over a limit)."""
         self.tenant, self.cost, self.key = tenant, cost, key
-        self.charge = await self._counters.check(tenant, cost.total_tokens)
+        self.charge = await self._counters.check(tenant, cost.charge_tokens)
 
     async def take_slot(self) -> None:
         """One of the tenant's concurrency slots, if it has a limit; waits within the tenant's wait budget."""

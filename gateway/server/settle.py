@@ -1,8 +1,9 @@
 """Settling: once the engine has answered, how many tokens the request really used. Pure.
 
-The rate limiter pre-charged prompt plus reserved output; the engine's ``usage`` says what was really used,
-and the difference is refunded. Without ``usage`` (a stream without ``include_usage``) the relayed event count
-stands in for the completion. A request that never reached the engine used nothing.
+The rate limiter pre-charged prompt plus reserved output (a prompt priced without the tokenizer at the high end
+of its learned band); the engine's ``usage`` says what was really used, and the difference is refunded.
+Without ``usage`` (a stream without ``include_usage``) the relayed event count stands in for the completion
+and the prompt's price for the prompt. A request that never reached the engine used nothing.
 """
 
 from __future__ import annotations
@@ -21,4 +22,4 @@ def tokens_used(cost: RequestCost, usage: Usage | None, generated_events: int, r
         used = 0  # disconnected or failed before the first token: nothing to bill
     else:
         used = sum(cost.prompt_tokens) + generated_events
-    return min(used, cost.total_tokens)
+    return min(used, cost.charge_tokens)

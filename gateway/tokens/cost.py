@@ -36,6 +36,9 @@ class RequestCost:
     blocks: int
     outputs: tuple[int, ...] | None = None
     min_output: int = 0  # the request's min_tokens: no estimate goes below it
+    # priced without the tokenizer: what the prompts may be at most (the learned band's high end), for what
+    # must never fall short of the truth, such as a tenant's token charge; None when counted
+    prompt_high: tuple[int, ...] | None = None
 
     @property
     def output_budgets(self) -> tuple[int, ...]:
@@ -49,6 +52,14 @@ class RequestCost:
     def total_tokens(self) -> int:
         """Prompt plus reserved output over all sequences: what token rate limits charge."""
         return self.total_prompt_tokens + sum(self.output_budgets) * self.sequences_per_prompt
+
+    @property
+    def charge_tokens(self) -> int:
+        """What a token rate limit pre-charges: :attr:`total_tokens`, with the prompt at its high end when it
+        was estimated, so settling from the engine's usage only ever refunds."""
+        if self.prompt_high is None:
+            return self.total_tokens
+        return (sum(self.prompt_high) + sum(self.output_budgets)) * self.sequences_per_prompt
 
     @property
     def num_sequences(self) -> int:
@@ -69,7 +80,13 @@ class RequestCost:
             blocks_for(p + o, block_size) for p, o in zip(self.prompt_tokens, outputs, strict=True)
         )
         return RequestCost(
-            self.prompt_tokens, self.sequences_per_prompt, max(outputs, default=0), blocks, outputs, self.min_output
+            self.prompt_tokens,
+            self.sequences_per_prompt,
+            max(outputs, default=0),
+            blocks,
+            outputs,
+            self.min_output,
+            self.prompt_high,
         )
 
 

@@ -15,6 +15,7 @@ a limit. Token-id prompts are exact and free either way.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -71,7 +72,9 @@ class CostEstimator:
         self.tally = PricingTally()
 
     async def estimate(self, request: InferenceRequest, *, exact: bool = False) -> RequestCost:
-        """The request's cost. Priced by estimate it is never smaller than exact counting would make it;
+        """The request's cost. Priced by estimate it decides every limit as exact counting would, reserves a
+        quantile of the learned ratio (in sum over many requests above their truth) and carries the band's high
+        end for token charges;
         ``exact=True`` counts anyway (e.g. to re-price a request a tenant's token budget would refuse)."""
         geometry = self._geometry()
         if geometry is None:
@@ -127,7 +130,7 @@ class CostEstimator:
         if error_tokens > self.max_error_share * geometry.num_blocks * geometry.block_size:
             self.tally.near_limit += 1
             return None
-        return self._price(request, reserved, geometry)
+        return dataclasses.replace(self._price(request, reserved, geometry), prompt_high=highs)
 
     def _price(self, request: InferenceRequest, prompt_tokens: tuple[int, ...], geometry: KvGeometry) -> RequestCost:
         return estimate_cost(

@@ -5,8 +5,9 @@ Counting a prompt exactly costs 2-3.5 ms of CPU per 1,000 tokens with a local to
 else kvgate does for a request), or a round trip with ``/tokenize``. The count only changes a decision near a
 limit (the context length, the pool's never-fits ceiling); far from them an estimate with an honest error band
 decides the same, and the engine reports the exact count (``usage.prompt_tokens``) for every request anyway.
-:class:`gateway.tokens.estimator.CostEstimator` prices a request at the band's high end when even that end is
-clearly inside the limits, and tokenizes it otherwise.
+:class:`gateway.tokens.estimator.CostEstimator` checks a request's limits at the band's high end and, when even
+that end is clearly inside them, prices it without tokenizing (:meth:`PromptLengths.reserved`); otherwise it
+tokenizes it.
 
 **What is measured** (:func:`prompt_sizes`): the UTF-8 bytes of what the tokenizer sees. For a plain prompt,
 its text. For a chat, the messages and tools as JSON: every string a chat template may render (contents,
@@ -99,19 +100,43 @@ class Prior:
     high: float = 1.0
 
 
+RESERVE_REFRESH = 128  # observations between two computations of a key's byte-weighted reserve ratio
+
+
 class _Window:
-    """The last ``size`` ratios, in arrival order (to evict) and sorted (to answer by rank)."""
+    """The last ``size`` ratios, in arrival order (to evict, with their prompts' sizes) and sorted (to answer
+    by rank); and the reserve ratio last computed from them."""
 
     def __init__(self, size: int) -> None:
-        self.order: deque[float] = deque()
+        self.order: deque[tuple[float, int]] = deque()  # (ratio, prompt bytes)
         self.sorted: list[float] = []
         self._size = size
+        self.reserve: tuple[float, float] | None = None  # (quantile, byte-weighted ratio at it)
+        self.added_since_reserve = 0
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, size: int) -> None:
         if len(self.order) == self._size:
-            del self.sorted[bisect.bisect_left(self.sorted, self.order.popleft())]
-        self.order.append(value)
+            del self.sorted[bisect.bisect_left(self.sorted, self.order.popleft()[0])]
+        self.order.append((value, size))
         bisect.insort(self.sorted, value)
+        self.added_since_reserve += 1
+
+    def byte_weighted(self, quantile: float) -> float:
+        """The ratio below which ``quantile`` of the window's prompt *bytes* lie: what the pool fills with is
+        tokens, so a kind of prompt that is both long and dense weighs as much as it fills. Recomputed every
+        ``RESERVE_REFRESH`` observations (a sort of the window), cached in between."""
+        if self.reserve is None or self.reserve[0] != quantile or self.added_since_reserve >= RESERVE_REFRESH:
+            pairs = sorted(self.order)
+            target = quantile * sum(size for _, size in pairs)
+            running, ratio = 0, pairs[-1][0]
+            for value, size in pairs:
+                running += size
+                if running >= target:
+                    ratio = value
+                    break
+            self.reserve = (quantile, ratio)
+            self.added_since_reserve = 0
+        return self.reserve[1]
 
 
 class PromptLengths:
@@ -155,7 +180,7 @@ class PromptLengths:
                 self._keys.popitem(last=False)
         else:
             self._keys.move_to_end(key)
-        window.add(tokens / size)
+        window.add(tokens / size, size)
 
     def samples(self, key: Key) -> int:
         window = self._keys.get(key)
@@ -184,14 +209,17 @@ class PromptLengths:
         return max(0.0, low), typical, high
 
     def reserved(self, key: Key, size: int, quantile: float) -> int:
-        """Tokens to reserve for a prompt of ``size`` bytes: the ``quantile`` of the learned ratios (the prior's
-        typical ratio while there are too few). Per prompt it is above the median; over the dozens of prompts
-        an engine holds at once the sum is above their true total, as with output lengths."""
+        """Tokens to reserve for a prompt of ``size`` bytes (the prior's typical ratio while there are too few
+        observations). The ``quantile`` of the learned ratios, or of the ratios weighted by prompt bytes when
+        that is higher: per prompt above the median, and over the dozens of prompts an engine holds at once
+        above their true total, as with output lengths, also when long prompts are denser than short ones
+        (long code or CJK documents among short English chat turns)."""
         window = self._keys.get(key)
         if window is None or len(window.order) < self.min_samples:
             return round(self.prior.ratio * size)
         ranked = window.sorted
-        return math.ceil(ranked[min(len(ranked) - 1, int(quantile * len(ranked)))] * size)
+        by_count = ranked[min(len(ranked) - 1, int(quantile * len(ranked)))]
+        return math.ceil(max(by_count, window.byte_weighted(quantile)) * size)
 
     def band(self, key: Key, size: int) -> TokenBand:
         low, typical, high = self.ratios(key)

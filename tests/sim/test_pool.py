@@ -103,6 +103,7 @@ def test_a_conversation_keeps_to_the_engine_that_has_its_prefix(tmp_path: Path) 
 
                 await asyncio.gather(turn("A"), turn("B"))
                 grew = [after - was for after, was in zip(prompt_tokens(), before, strict=True)]
+                assert min(grew) > 0, grew  # one turn on each engine: B is on the engine A is not
                 homes.append(0 if grew[0] > grew[1] else 1)
         finally:
             await sdk.close()

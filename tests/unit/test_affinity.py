@@ -53,6 +53,17 @@ def test_the_longest_known_prefix_names_the_engine() -> None:
     assert m.lookup(prefix_chain(b"x" * 64, CHUNK, 8)) is None
 
 
+def test_a_prefix_on_several_engines_prefers_none_but_what_follows_it_does() -> None:
+    m = PrefixMap(100)
+    system = b"s" * 32
+    m.record(prefix_chain(system + b"a" * 32, CHUNK, 8), "e0")
+    assert m.lookup(prefix_chain(system + b"new" * 20, CHUNK, 8)) == ("e0", 2)  # only e0 has seen it so far
+    m.record(prefix_chain(system + b"b" * 32, CHUNK, 8), "e1")
+    assert m.lookup(prefix_chain(system + b"new" * 20, CHUNK, 8)) is None  # both hold it: headroom decides
+    assert m.lookup(prefix_chain(system + b"a" * 48, CHUNK, 8)) == ("e0", 4)  # conversation a is e0's
+    assert m.lookup(prefix_chain(system + b"b" * 48, CHUNK, 8)) == ("e1", 4)
+
+
 def test_the_map_forgets_the_least_recently_used_first() -> None:
     m = PrefixMap(4)
     old, new = prefix_chain(b"o" * 32, CHUNK, 8), prefix_chain(b"n" * 48, CHUNK, 8)
@@ -80,6 +91,7 @@ def test_leading_bytes_of_chats_and_prompts() -> None:
     assert leading_bytes(request(parts), 1000) == leading_bytes(request([{"role": "user", "content": "Hi"}]), 1000)
     assert leading_bytes(request(prompts=["é" * 100]), 9) == ("é" * 100).encode()[:9]
     assert len(leading_bytes(request(prompts=[list(range(100))]), 80)) == 80  # ten token ids
+    assert leading_bytes(request(prompts=[[2**64 - 1, 1]]), 80).startswith(b"[18446744073709551615")  # no 500
     assert leading_bytes(request(turn2), 10) == two[:10]
 
 
@@ -104,6 +116,22 @@ def test_a_prefix_goes_back_to_its_engine_while_that_costs_little_headroom() -> 
     assert other in placed  # the bound held: past it, the request went where the room is
 
 
+def test_a_stale_or_ejected_home_is_not_preferred() -> None:
+    c = pool(max_headroom_cost=1.0)
+    chain = prefix_chain(b"q" * 64, CHUNK, 8)
+    first = c.submit(req(2), "t", 0.1, prefix=chain)
+    assert isinstance(first, Admitted)
+    home = first.reservation.engine
+    other = "e1" if home == "e0" else "e0"
+    sample(c, other, 0.0, 5.0, 100)  # at t=5 only the other engine has a fresh sample: home is stale
+    d = c.submit(req(2), "t", 5.0, prefix=chain)
+    assert isinstance(d, Admitted) and d.reservation.engine == other
+    sample(c, home, 0.0, 5.0, 100)
+    c.engines[home].ejected_until = 100.0  # ejected (refused connections): nothing is placed there
+    d = c.submit(req(2), "t", 5.0, prefix=chain)
+    assert isinstance(d, Admitted) and d.reservation.engine == other
+
+
 def test_no_affinity_without_a_prefix_or_without_room_at_home() -> None:
     c = pool(max_headroom_cost=1.0)  # affinity at any cost in balance, but never past the watermark
     chain = prefix_chain(b"p" * 64, CHUNK, 8)
@@ -114,5 +142,7 @@ def test_no_affinity_without_a_prefix_or_without_room_at_home() -> None:
         pass
     assert isinstance(d, Admitted) and d.reservation.engine != home  # home is full to the watermark: elsewhere
     assert sum(r.blocks for r in c.engines[home].ledger.live()) <= 90
+    moved = c.affinity_placements
     plain = [c.submit(req(1), "t", 0.1) for _ in range(2)]
     assert all(isinstance(p, Admitted) for p in plain)
+    assert c.affinity_placements == moved  # no prefix, no affinity

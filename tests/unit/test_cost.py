@@ -3,7 +3,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.protocol.errors import GatewayError
-from gateway.tokens.cost import KvGeometry, blocks_for, estimate_cost
+from gateway.server.settle import tokens_used
+from gateway.tokens.cost import KvGeometry, RequestCost, blocks_for, estimate_cost
+from gateway.upstream.forwarder import Usage
 
 GEO = KvGeometry(block_size=16, num_blocks=1000)
 
@@ -95,3 +97,15 @@ def test_blocks_after_grows_to_the_reservation(prompts: list[int], out: int, n: 
     assert now <= c.blocks
     assert c.blocks_after(out * c.num_sequences, 16) == c.blocks
     assert c.blocks_after(generated + 1, 16) >= now
+
+
+def test_an_estimated_prompt_is_charged_at_its_high_end_and_billed_by_usage() -> None:
+    """Priced without the tokenizer, a prompt reserves its estimate (700) but a token rate limit pre-charges
+    its band's high end (1,300): the engine's count (1,000) plus the output is billed in full, never capped at
+    a pre-charge that was short of it."""
+    estimated = RequestCost((700,), 1, 256, 60, prompt_high=(1300,))
+    assert estimated.total_tokens == 956 and estimated.charge_tokens == 1556
+    assert estimated.capped(100, 16).prompt_high == (1300,)
+    assert tokens_used(estimated, Usage(1000, 256), 256, reached_engine=True) == 1256
+    counted = RequestCost((1000,), 1, 256, 79)
+    assert counted.charge_tokens == counted.total_tokens == 1256

@@ -142,6 +142,7 @@ async def test_the_fast_path_decides_as_exact_counting_and_reserves_at_least_the
             continue
         assert isinstance(by_fast, RequestCost), f"the fast path refused what fits: {by_fast}"
         assert by_fast.num_sequences == by_count.num_sequences  # (without max_tokens the budget is the context's rest)
+        assert by_fast.charge_tokens >= by_count.total_tokens  # a tenant's token charge never falls short
         reserved += sum(by_fast.prompt_tokens)
         exact_tokens += sum(by_count.prompt_tokens)
     print(f"\n[fast path] prompts priced by estimate reserve {reserved / exact_tokens:.3f}x their exact total")
