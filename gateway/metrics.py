@@ -1,17 +1,22 @@
 """The gateway's own Prometheus metrics, on a registry per gateway instance (tests run several).
 
-Counters and histograms record events where they happen. Gauges are never pushed: :class:`StateGauges` reads
+Counters and histograms record events where they happen (:class:`Counter` and :class:`Histogram`: lock-free
+on the event loop, exposed as prometheus-client's own). Gauges are never pushed: :class:`StateGauges` reads
 them from whoever holds the state (set as its ``source`` by the server), at scrape time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Generic, TypeVar
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
@@ -131,23 +136,94 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(bound)
 
 
-M = TypeVar("M", Counter, Histogram)
+def _created_series() -> bool:
+    """prometheus-client's own switch for the ``_created`` series (PROMETHEUS_DISABLE_CREATED_SERIES); a private
+    attribute, so a release without it means the series stay, as they do by default."""
+    return bool(getattr(prometheus_metrics, "_use_created", True))
 
 
-class Children(Generic[M]):
-    """A labelled metric's children, by label values. prometheus-client's ``labels()`` validates, converts and
-    locks on every call; the hot path asks for the same few children on every request, so a dict lookup it is.
-    It keeps what the metric keeps anyway (one child per label set seen)."""
+class CounterChild:
+    """One labelled series of a :class:`Counter`: a float, with the time it was created (``_created``)."""
 
-    def __init__(self, metric: M) -> None:
-        self.metric: M = metric
-        self._children: dict[tuple[str, ...], M] = {}
+    __slots__ = ("created", "value")
 
-    def __call__(self, *values: str) -> M:
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self.value += amount
+
+
+class Counter(Collector):
+    """A counter as prometheus-client exposes it (``_total`` and ``_created``), without its lock: that one takes
+    a lock on every ``inc`` and ``labels()``, and the hot path counts several times a request. Every increment
+    and every scrape (``/metrics`` is served by the app on the same loop) run on the event loop's one thread."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: Sequence[str] = (), *, registry: CollectorRegistry
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], CounterChild] = {}
+        self._only = CounterChild() if not self.labelnames else None
+        registry.register(self)
+
+    def labels(self, *values: str) -> CounterChild:
+        """The child of these label values, created on first use (as prometheus-client's ``labels()``)."""
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self.metric.labels(*values)
+            if not self.labelnames or len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected label values for {self.labelnames}, got {values!r}")
+            child = self._children.setdefault(tuple(str(v) for v in values), CounterChild())
         return child
+
+    def inc(self, amount: float = 1) -> None:
+        assert self._only is not None, f"{self.name} has labels: inc() a child of labels()"
+        self._only.inc(amount)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=list(self.labelnames))
+        children = [((), self._only)] if self._only is not None else list(self._children.items())
+        for values, child in children:
+            created = child.created if _created_series() else None
+            family.add_metric(list(values), child.value, created=created)
+        return iter([family])
+
+
+class Histogram(Collector):
+    """An unlabelled histogram as prometheus-client exposes it (``_bucket``, ``_count``, ``_sum``,
+    ``_created``), without a lock per bucket and sum on each ``observe``; see :class:`Counter` for why."""
+
+    def __init__(self, name: str, documentation: str, *, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self._bounds = [*map(float, buckets), *([] if buckets[-1] == float("inf") else [float("inf")])]
+        self._les: list[str] = [floatToGoString(bound) for bound in self._bounds]  # type: ignore[no-untyped-call]
+        self._counts = [0.0] * len(self._bounds)
+        self._sum = 0.0
+        self._created = time.time()
+        registry.register(self)
+
+    def observe(self, amount: float) -> None:
+        self._sum += amount
+        i = bisect_left(self._bounds, amount)  # the first bucket with amount <= its bound
+        if i < len(self._bounds) and amount <= self._bounds[i]:  # NaN falls in none, as in prometheus-client
+            self._counts[i] += 1
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation)
+        cumulative, total = [], 0.0
+        for le, count in zip(self._les, self._counts, strict=True):
+            total += count
+            cumulative.append((le, total))
+        family.add_metric([], cumulative, self._sum)
+        if _created_series():
+            family.samples.append(Sample(self.name + "_created", {}, self._created, None, None))
+        return iter([family])
 
 
 class GatewayMetrics:
@@ -224,7 +300,6 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
-        self.released_by = Children(self.released)
         self.client_disconnects = Counter(
             "kvgate_client_disconnects", "Clients that went away, by stage", ["stage"], registry=r
         )
@@ -236,7 +311,6 @@ class GatewayMetrics:
             ["tenant", "priority"],
             registry=r,
         )
-        self.tenant_admitted_tokens_by = Children(self.tenant_admitted_tokens)
         self.shed = Counter(
             "kvgate_requests_shed",
             "Queued requests pushed out of a full queue by a higher class",

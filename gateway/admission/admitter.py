@@ -226,7 +226,7 @@ class Admitter:
         metrics = self.metrics
         metrics.projected_at_admission.observe(reservation.projected_usage)
         metrics.queue_wait.observe(waited_s)
-        tokens = metrics.tenant_admitted_tokens_by(reservation.tenant, PRIORITIES[qclass.priority])
+        tokens = metrics.tenant_admitted_tokens.labels(reservation.tenant, PRIORITIES[qclass.priority])
         tokens.inc(reservation.cost.total_tokens)
 
     def learn(self, reservation: Reservation, completion_tokens: int) -> None:
@@ -238,7 +238,7 @@ class Admitter:
         finished = outcome not in NOT_FINISHED
         if not self.controller.release(reservation, self.clock(), finished=finished):
             return False
-        self.metrics.released_by(outcome).inc()
+        self.metrics.released.labels(outcome).inc()
         if self.shared is not None:
             self._spawn(self._restate(reservation.engine, {str(reservation.id): 0}))
         self.pump()

@@ -191,7 +191,7 @@ async def test_the_exchange_releases_once_and_names_how_the_request_ended() -> N
     ex.close(None)  # a second close changes nothing
     assert ex.outcome == "upstream_busy" and len(ledger) == 0
     assert ledger.reserved_count == ledger.released_count == 1
-    assert released.labels("upstream_busy")._value.get() == 1 and released.labels("completed")._value.get() == 0
+    assert released.labels("upstream_busy").value == 1 and released.labels("completed").value == 0
     for exc, outcome in [
         (None, "completed"),
         (asyncio.CancelledError(), "client_disconnect"),
@@ -203,7 +203,7 @@ async def test_the_exchange_releases_once_and_names_how_the_request_ended() -> N
         await ex.admit()
         ex.sending()
         ex.close(exc)
-        assert ex.outcome == outcome and released.labels(outcome)._value.get() >= 1
+        assert ex.outcome == outcome and released.labels(outcome).value >= 1
     assert len(ledger) == 0 and ledger.reserved_count == ledger.released_count == 5
 
 
