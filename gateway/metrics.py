@@ -82,7 +82,10 @@ STATE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "Requests priced, by how their prompt was counted (estimate: the tokenizer skipped; tokenizer; token_ids)",
         ("by",),
     ),
-    "kvgate_prompts_near_limit": ("Text prompts whose estimate was too close to a limit: counted exactly", ()),
+    "kvgate_prompts_near_limit": (
+        "Text prompts counted exactly: their estimate was too close to a limit, or its band too wide for the pool",
+        (),
+    ),
     "kvgate_prompt_estimate_above_band": (
         "Served prompts whose engine count was above the estimate's band (the fast path would have priced short)",
         (),
