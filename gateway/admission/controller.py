@@ -290,26 +290,34 @@ class AdmissionController:
         With a ``prefix`` (its prompt's chunk hashes), the engine that took the longest known part of it is
         preferred while its usage after would be at most ``prefix_affinity.max_headroom_cost`` above the
         best's (and as fresh): its prefix cache holds those blocks."""
+        home = self._affine_engine(prefix)
         best: tuple[bool, float, EngineBook] | None = None
-        fitting: dict[str, tuple[bool, float, EngineBook]] = {}
+        affine: tuple[bool, float, EngineBook] | None = None
         for book in self.engines.values():
             if not book.placeable:
                 continue
             usage = book.fits(blocks, now)
             if usage is None:
                 continue
-            candidate = fitting[book.name] = (book.is_stale(now), usage, book)
+            candidate = (book.is_stale(now), usage, book)
             if best is None or candidate[:2] < best[:2]:
                 best = candidate
+            if book.name == home:
+                affine = candidate
         if best is None:
             return None
-        if prefix and len(fitting) > 1 and (hit := self.affinity.lookup(prefix)) is not None:
-            affine = fitting.get(hit[0])
-            cost = self.config.prefix_affinity.max_headroom_cost
-            if affine is not None and affine[2] is not best[2] and affine[0] <= best[0] and affine[1] <= best[1] + cost:
-                self.affinity_placements += 1
-                best = affine
+        cost = self.config.prefix_affinity.max_headroom_cost
+        if affine is not None and affine[2] is not best[2] and affine[0] <= best[0] and affine[1] <= best[1] + cost:
+            self.affinity_placements += 1
+            best = affine
         return best[2], best[1]
+
+    def _affine_engine(self, prefix: tuple[int, ...]) -> str | None:
+        """The engine that took the longest known part of ``prefix``; None without one, or in a pool of one."""
+        if not prefix or len(self.engines) < 2:
+            return None
+        hit = self.affinity.lookup(prefix)
+        return None if hit is None else hit[0]
 
     def projected_blocks(self, extra_blocks: int, now: float) -> int | None:
         """Of a pool of one: the blocks its engine may hold with ``extra_blocks`` more."""

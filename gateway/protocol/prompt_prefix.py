@@ -16,7 +16,7 @@ def leading_bytes(request: InferenceRequest, limit: int) -> bytes:
         size = 0
         for message in request.messages:
             for piece in _message_texts(message):
-                data = piece.encode("utf-8", "surrogatepass")
+                data = _head(piece, limit - size)  # not the whole of a long document: only what can count
                 parts.append(data)
                 size += len(data)
                 if size >= limit:
@@ -26,12 +26,18 @@ def leading_bytes(request: InferenceRequest, limit: int) -> bytes:
         return b""
     first = request.prompts[0]
     if isinstance(first, str):
-        return first[:limit].encode("utf-8", "surrogatepass")[:limit]  # a character is at least one byte
+        return _head(first, limit)
     ids = first[: limit // 8]
     try:
         return array("q", ids).tobytes()
     except OverflowError:  # an id past 2**63 - 1: the engine will refuse it; any stable key does here
         return repr(ids).encode()[:limit]
+
+
+def _head(text: str, limit: int) -> bytes:
+    """The first ``limit`` bytes of ``text`` in UTF-8, encoding no more than ``limit`` characters of it (each is
+    at least one byte)."""
+    return text[:limit].encode("utf-8", "surrogatepass")[:limit]
 
 
 def _message_texts(message: dict[str, object]) -> list[str]:
