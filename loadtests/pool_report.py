@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from gateway.sim.config import SimConfig
 from loadtests import pool_bound
 from loadtests.bound import closed_loop_capacity
 from loadtests.pool import PoolResult, PoolSpec, compare_pool, pool_saturated_throughput
@@ -146,12 +147,16 @@ def _single(sc: Scenario, spec: PoolSpec) -> Scenario:
     return dataclasses.replace(sc, sim_args=(*sc.sim_args, *spec.engine_args_of(0)))
 
 
+def _engine_configs(sc: Scenario, spec: PoolSpec) -> list[SimConfig]:
+    """Each engine of the pool as the scenario starts it, for the in-process runs."""
+    return pool_bound.engine_configs([[*sc.sim_args, *spec.engine_args_of(i)] for i in range(spec.engines)])
+
+
 def bound(sc: Scenario, spec: PoolSpec) -> dict[str, Any]:
     """The plan through the pool in-process (``pool_bound``), shared queue and round robin, at the gateway's
     queue wait limit."""
-    configs = pool_bound.engine_configs([[*sc.sim_args, *spec.engine_args_of(i)] for i in range(spec.engines)])
+    configs, arrivals = _engine_configs(sc, spec), sc.arrivals()
     wait = float(sc.gateway.get("admission", {}).get("queue_max_wait_s", math.inf))
-    arrivals = sc.arrivals()
     return {p: pool_bound.pool_run(arrivals, configs, p, BAND, wait) for p in pool_bound.POLICIES}
 
 
@@ -164,8 +169,7 @@ def ceiling(sc: Scenario, spec: PoolSpec) -> dict[str, float]:
     all of it, and without any limit (an OOM step counted, not enacted): what the engine model itself makes of
     this plan whatever the admission. A one-shot burst starts with every engine prefilling and ends draining
     its last requests, so this sits below N x a steady closed loop's best."""
-    configs = pool_bound.engine_configs([[*sc.sim_args, *spec.engine_args_of(i)] for i in range(spec.engines)])
-    arrivals = sc.arrivals()
+    configs, arrivals = _engine_configs(sc, spec), sc.arrivals()
     top: dict[str, float] = {}
     for band in CEILING_BANDS:
         label = "no limit" if band > 1 else f"{band:.2f} of every engine's KV"
@@ -290,8 +294,12 @@ def pool_checks(
         )
     ok = all(r.ok or (r.status in (429, 503) and r.retry_after is not None) for r in g.records)
     lines.append(_check(ok, "pool-kvgate: every request served, or refused with 429/503 + Retry-After"))
-    if b is not None:
-        lines.append(bound_line(b))
+    return lines + reference_lines(results, b)
+
+
+def reference_lines(results: Sequence[PoolResult], b: dict[str, Any] | None) -> list[str]:
+    """Under the checks: the in-process model's figures, and who refused how many against it."""
+    lines = [] if b is None else [bound_line(b)]
     refused = [r for r in results if r.summary["refusals"]]
     if refused:
         lines.append(refusal_line(refused, b))
@@ -346,12 +354,7 @@ def hetero_checks(results: Sequence[PoolResult], b: dict[str, Any] | None) -> li
                 f"(refused 429/503: {g['refusals']} vs {o['refusals']}; failed: {g['failed']} vs {o['failed']})",
             )
         )
-    if b is not None:
-        lines.append(bound_line(b))
-    refused = [r for r in results if r.summary["refusals"]]
-    if refused:
-        lines.append(refusal_line(refused, b))
-    return lines
+    return lines + reference_lines(results, b)
 
 
 def fault_stats(r: PoolResult, engine: int) -> dict[str, Any]:

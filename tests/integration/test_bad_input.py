@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.bpe import build_bpe_dir
+
 pytestmark = pytest.mark.e2e
 
 VOCAB = 300
@@ -30,21 +32,7 @@ TEMPLATE = (
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A model directory with a small byte-level BPE tokenizer and the refusing template (nothing downloaded)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator([Path(__file__).read_text()] * 3, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    d = tmp_path_factory.mktemp("bad-input-model")
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})
-    )
+    d = build_bpe_dir(tmp_path_factory.mktemp("bad-input-model"), [Path(__file__).read_text()] * 3, VOCAB, TEMPLATE)
     (d / "config.json").write_text(json.dumps({"vocab_size": VOCAB}))
     return d
 

@@ -4,25 +4,16 @@ trained here on the same corpus (the Llama 3 tokenizer the report uses is fetche
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 from gateway.tokens.tokenizers import HFTokenizer
 from loadtests import pricing
 from loadtests.scenario import load
+from tests.support.bpe import build_bpe_dir
 
 
 def small_tokenizer(directory: Path) -> HFTokenizer:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(pricing.corpus()[:3000], trainer)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
-    return HFTokenizer.load(str(directory))
+    return HFTokenizer.load(str(build_bpe_dir(directory, pricing.corpus()[:3000], 2000, "{{ messages }}")))
 
 
 def test_the_fast_path_prices_like_exact_counting_on_a_scenario_plan(tmp_path: Path) -> None:

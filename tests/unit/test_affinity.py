@@ -95,19 +95,20 @@ def test_leading_bytes_of_chats_and_prompts() -> None:
     assert leading_bytes(request(turn2), 10) == two[:10]
 
 
+def placed_on(c: AdmissionController, blocks: int, now: float, chain: tuple[int, ...] = ()) -> str:
+    """Submit a request of ``blocks`` with this prefix; the engine it was admitted to (it must be admitted)."""
+    d = c.submit(req(blocks), "t", now, prefix=chain)
+    assert isinstance(d, Admitted)
+    return d.reservation.engine
+
+
 def test_a_prefix_goes_back_to_its_engine_while_that_costs_little_headroom() -> None:
     c = pool(max_headroom_cost=0.05)
     chain = prefix_chain(b"conversation" * 10, CHUNK, 8)
-    first = c.submit(req(2), "t", 0.1, prefix=chain)
-    assert isinstance(first, Admitted)
-    home = first.reservation.engine
+    home = placed_on(c, 2, 0.1, chain)
     # without affinity every next one would alternate to the engine with more room; with it they stay home
     # until home is more than 0.05 fuller than the other after the request
-    placed = []
-    for _ in range(5):
-        d = c.submit(req(2), "t", 0.1, prefix=chain)
-        assert isinstance(d, Admitted)
-        placed.append(d.reservation.engine)
+    placed = [placed_on(c, 2, 0.1, chain) for _ in range(5)]
     assert placed[:2] == [home, home] and c.affinity_placements >= 2
     home_blocks = sum(r.blocks for r in c.engines[home].ledger.live())
     other = "e1" if home == "e0" else "e0"
@@ -119,30 +120,23 @@ def test_a_prefix_goes_back_to_its_engine_while_that_costs_little_headroom() -> 
 def test_a_stale_or_ejected_home_is_not_preferred() -> None:
     c = pool(max_headroom_cost=1.0)
     chain = prefix_chain(b"q" * 64, CHUNK, 8)
-    first = c.submit(req(2), "t", 0.1, prefix=chain)
-    assert isinstance(first, Admitted)
-    home = first.reservation.engine
+    home = placed_on(c, 2, 0.1, chain)
     other = "e1" if home == "e0" else "e0"
     sample(c, other, 0.0, 5.0, 100)  # at t=5 only the other engine has a fresh sample: home is stale
-    d = c.submit(req(2), "t", 5.0, prefix=chain)
-    assert isinstance(d, Admitted) and d.reservation.engine == other
+    assert placed_on(c, 2, 5.0, chain) == other
     sample(c, home, 0.0, 5.0, 100)
     c.engines[home].ejected_until = 100.0  # ejected (refused connections): nothing is placed there
-    d = c.submit(req(2), "t", 5.0, prefix=chain)
-    assert isinstance(d, Admitted) and d.reservation.engine == other
+    assert placed_on(c, 2, 5.0, chain) == other
 
 
 def test_no_affinity_without_a_prefix_or_without_room_at_home() -> None:
     c = pool(max_headroom_cost=1.0)  # affinity at any cost in balance, but never past the watermark
     chain = prefix_chain(b"p" * 64, CHUNK, 8)
-    first = c.submit(req(2), "t", 0.1, prefix=chain)
-    assert isinstance(first, Admitted)
-    home = first.reservation.engine
-    while (d := c.submit(req(10), "t", 0.1, prefix=chain)) and isinstance(d, Admitted) and d.reservation.engine == home:
+    home = placed_on(c, 2, 0.1, chain)
+    other = "e1" if home == "e0" else "e0"
+    assert placed_on(c, 1, 0.1) == other  # no prefix: the most headroom, though home would cost nothing here
+    assert placed_on(c, 1, 0.1, chain) == home  # the same request with the prefix goes home
+    while (engine := placed_on(c, 10, 0.1, chain)) == home:
         pass
-    assert isinstance(d, Admitted) and d.reservation.engine != home  # home is full to the watermark: elsewhere
+    assert engine == other  # home is full to the watermark: elsewhere
     assert sum(r.blocks for r in c.engines[home].ledger.live()) <= 90
-    moved = c.affinity_placements
-    plain = [c.submit(req(1), "t", 0.1) for _ in range(2)]
-    assert all(isinstance(p, Admitted) for p in plain)
-    assert c.affinity_placements == moved  # no prefix, no affinity

@@ -5,7 +5,6 @@ template is the exact counter and the "engine" that teaches the estimator."""
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +20,7 @@ from gateway.tokens.counting import TokenCounter
 from gateway.tokens.estimator import CostEstimator
 from gateway.tokens.prompt_estimate import PromptLengths
 from gateway.tokens.tokenizers import HeuristicTokenizer, HFTokenizer, LocalTokenizer
+from tests.support.bpe import build_bpe_dir
 
 MAX_MODEL_LEN = 400
 GEO = KvGeometry(block_size=16, num_blocks=60)  # at most 54 blocks (864 tokens) in use at the 0.9 watermark
@@ -38,22 +38,9 @@ WORDS = VOCABULARY.split()
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
     rng = random.Random(1)
-    tok.train_from_iterator([" ".join(rng.choices(WORDS, k=50)) for _ in range(300)], trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    directory = tmp_path_factory.mktemp("bpe")
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": TEMPLATE})
-    )
+    corpus = [" ".join(rng.choices(WORDS, k=50)) for _ in range(300)]
+    directory = build_bpe_dir(tmp_path_factory.mktemp("bpe"), corpus, 500, TEMPLATE)
     loaded = HFTokenizer.load(str(directory))
     assert loaded.has_chat_template
     return loaded

@@ -17,6 +17,7 @@ from gateway.protocol.errors import GatewayError
 from gateway.protocol.requests import parse_request
 from gateway.tokens.counting import TokenCounter
 from gateway.tokens.tokenizers import HFTokenizer, TiktokenTokenizer, TokenizerUnavailable, load_tokenizer
+from tests.support.bpe import build_bpe_dir
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -26,22 +27,8 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
     corpus = [Path(__file__).read_text()] * 3 + ["the quick brown fox jumps over the lazy dog"] * 50
-    tok.train_from_iterator(corpus, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    d = tmp_path_factory.mktemp("tiny-model")
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE})
-    )
+    d = build_bpe_dir(tmp_path_factory.mktemp("tiny-model"), corpus, 400, CHAT_TEMPLATE)
     return d
 
 
