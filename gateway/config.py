@@ -68,6 +68,12 @@ class ListenConfig(_Model):
     max_connections: int = Field(
         4096, ge=1, description="Connections (and requests) served at once; beyond it new ones get 503."
     )
+    arrivals_per_tick: int = Field(
+        8,
+        ge=1,
+        description="Requests parsed and priced per event-loop iteration; more wait for the next, in order, "
+        "so a burst does not hold back the connects and writes of requests already admitted.",
+    )
 
 
 class ModelConfig(_Model):

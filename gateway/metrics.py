@@ -86,6 +86,10 @@ STATE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "Text prompts counted exactly: their estimate was too close to a limit, or its band too wide for the pool",
         (),
     ),
+    "kvgate_arrivals_deferred": (
+        "Requests that waited for a later event-loop iteration to be priced (listen.arrivals_per_tick, a burst)",
+        (),
+    ),
     "kvgate_prompt_estimate_above_band": (
         "Served prompts whose engine count was above the estimate's band (the fast path would have priced short)",
         (),

@@ -25,6 +25,7 @@ from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics, HistogramReading, Reading
 from gateway.protocol.errors import shutting_down
 from gateway.server.disconnect import Receive
+from gateway.server.pacing import ArrivalPacer
 from gateway.server.request_path import RequestPath, raw_path_of
 from gateway.server.response import Send
 from gateway.tenants.counters import TenantCounters
@@ -93,6 +94,7 @@ class Gateway:
             reserve_quantile=config.tokenizer_fast_path_quantile,
         )
         self.draining = False
+        self.arrivals = ArrivalPacer(config.listen.arrivals_per_tick)
         self.requests = RequestPath(
             policy=lambda: self.policy,
             costs=self.costs,
@@ -104,6 +106,7 @@ class Gateway:
             upstream_api_key=config.upstream.api_key,
             metrics=self.metrics,
             draining=lambda: self.draining,
+            arrivals=self.arrivals,
         )
         self.metrics.gauges.source = self._gauge_readings
         self.metrics.gauges.histograms = self._histogram_readings
@@ -275,6 +278,7 @@ class Gateway:
         yield "kvgate_prompts_priced", ("token_ids",), float(tally.by_token_ids)
         yield "kvgate_prompts_near_limit", (), float(tally.near_limit)
         yield "kvgate_prompt_estimate_above_band", (), float(tally.errors.above_high)
+        yield "kvgate_arrivals_deferred", (), float(self.arrivals.deferred)
 
     def _histogram_readings(self) -> Iterator[HistogramReading]:
         errors = self.costs.tally.errors

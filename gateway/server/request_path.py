@@ -1,8 +1,8 @@
 """The request path, top to bottom: :meth:`RequestPath.handle`, then :meth:`RequestPath.inference`.
 
-route (allow-list, canonical path) -> authenticate -> parse -> estimate cost -> rate limit -> tenant slot ->
-admit (or queue / reject) -> forward and stream -> settle and release. Each step lives in the module named
-after it; this file only strings them together. :meth:`RequestPath.handle` wraps every proxied request: it
+route (allow-list, canonical path) -> authenticate -> take a turn -> parse -> estimate cost -> rate limit ->
+tenant slot -> admit (or queue / reject) -> forward and stream -> settle and release. Each step lives in the
+module named after it; this file only strings them together. :meth:`RequestPath.handle` wraps every proxied request: it
 opens the request's :class:`~gateway.server.exchange.Exchange`, answers errors in OpenAI's shape, and is the one
 place where rejections and client disconnects are counted.
 """
@@ -26,6 +26,7 @@ from gateway.protocol.routes import BodyKind, route
 from gateway.server.disconnect import ClientDisconnected, DisconnectWatch, Receive, connection_loss
 from gateway.server.exchange import Exchange
 from gateway.server.hints import client_hints
+from gateway.server.pacing import ArrivalPacer
 from gateway.server.response import ResponseWriter, Send
 from gateway.tenants.auth import AdminKeys
 from gateway.tenants.counters import TenantCounters
@@ -53,6 +54,7 @@ class RequestPath:
         upstream_api_key: str | None,
         metrics: GatewayMetrics,
         draining: Callable[[], bool],
+        arrivals: ArrivalPacer,
     ) -> None:
         self.policy = policy  # the current snapshot: a reload swaps it between requests
         self.costs = costs
@@ -65,6 +67,7 @@ class RequestPath:
         self.upstream_api_key = upstream_api_key
         self.metrics = metrics
         self.draining = draining
+        self.arrivals = arrivals
 
     async def handle(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         """One proxied request, from arrival to its last byte: route, authenticate, then the generation path
@@ -126,10 +129,11 @@ class RequestPath:
     ) -> None:
         # 1. authenticated already (against one policy snapshot for the whole request)
         exchange.client = client_hints(scope["headers"])
-        # 2. parse (large bodies on a worker thread)
+        # 2. parse (large bodies on a worker thread), once this arrival's turn has come
         raw = await read_body(receive, self.limits.max_body_bytes)
         exchange.body_read(len(raw))
         watch.start()  # from here on, a client that goes away cancels this request wherever it is
+        await self.arrivals.turn()  # in a burst, a few per loop iteration: the admitted ones' I/O goes on
         request = await _parse(body_kind, raw)
         # 3. estimate cost (tokenizing long prompts off the event loop)
         cost = await self.costs.estimate(request)

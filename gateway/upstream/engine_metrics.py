@@ -1,7 +1,9 @@
 """Reading vLLM's ``/metrics``: pure parsing and aggregation, no I/O.
 
-vLLM exposes several hundred series; we need five families. Lines of other families are dropped before the
-text reaches prometheus_client's parser, which keeps a scrape well under a millisecond of CPU.
+vLLM exposes several hundred series; we need eight. One regular expression anchored on their names picks
+their lines out of the text (~0.1 ms for real vLLM's 50 KB, where filtering lines and handing them to
+prometheus_client's parser took ~1.5 ms: a pool of four engines scraped at 20 Hz spent a sixth of a core on
+it). The tests hold it to prometheus_client's parser on real vLLM samples and generated ones.
 
 Data-parallel engines each report their own series, told apart by the ``engine`` label. Usage aggregates as
 used blocks over total blocks when each engine's ``num_gpu_blocks`` is known, else as a plain mean.
@@ -9,10 +11,9 @@ used blocks over total blocks when each engine's ``num_gpu_blocks`` is known, el
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.tokens.cost import KvGeometry
 
@@ -25,30 +26,30 @@ CACHE_CONFIG_METRIC = "vllm:cache_config_info"
 SUCCESS_METRIC = "vllm:request_success"  # family name; the samples are ``..._total``, one per finish reason
 START_TIME_METRIC = "process_start_time_seconds"  # the API server process: changes when the engine restarts
 
-_WANTED = (
+WANTED_SAMPLES = (
     USAGE_METRIC,
     LEGACY_USAGE_METRIC,
     RUNNING_METRIC,
     WAITING_METRIC,
-    PREEMPTIONS_METRIC,
+    PREEMPTIONS_METRIC + "_total",
     CACHE_CONFIG_METRIC,
-    SUCCESS_METRIC,
+    SUCCESS_METRIC + "_total",
     START_TIME_METRIC,
 )
-_WANTED_SAMPLES = frozenset(
-    {
-        USAGE_METRIC,
-        LEGACY_USAGE_METRIC,
-        RUNNING_METRIC,
-        WAITING_METRIC,
-        PREEMPTIONS_METRIC + "_total",
-        PREEMPTIONS_METRIC,
-        CACHE_CONFIG_METRIC,
-        SUCCESS_METRIC,
-        SUCCESS_METRIC + "_total",
-        START_TIME_METRIC,
-    }
+# A sample line of one of them: name, optional {labels} (greedy to the line's last brace, so a brace inside a
+# quoted value is harmless), value; an optional timestamp after it is ignored. Matched after a newline rather
+# than at ``^`` in MULTILINE mode, with vLLM's names behind their common prefix: ~7x faster on real text.
+_VLLM = tuple(n.removeprefix("vllm:") for n in WANTED_SAMPLES if n.startswith("vllm:"))
+_OTHERS = tuple(n for n in WANTED_SAMPLES if not n.startswith("vllm:"))
+_SAMPLE_LINE = re.compile(
+    r"\n((?:vllm:(?:"
+    + "|".join(map(re.escape, _VLLM))
+    + "))|"
+    + "|".join(map(re.escape, _OTHERS))
+    + r")(?:\{(.*)\})?[ \t]+(\S+)"
 )
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
+_UNESCAPE = re.compile(r"\\(.)")
 
 
 class MetricsFormatError(ValueError):
@@ -67,21 +68,24 @@ class EngineMetrics:
     started_at: float | None = None  # process_start_time_seconds
 
 
-def _keep(line: str) -> bool:
-    if line.startswith("#"):
-        parts = line.split(" ", 3)
-        return len(parts) >= 3 and parts[2] in _WANTED_SAMPLES
-    end = len(line)
-    for sep in ("{", " "):
-        i = line.find(sep)
-        if 0 <= i < end:
-            end = i
-    return line[:end] in _WANTED_SAMPLES
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """``(name, labels, value)`` of every sample of the series we read, in the text's order."""
+    out = []
+    for match in _SAMPLE_LINE.finditer("\n" + text):  # the first line follows a newline too
+        name, raw_labels, raw_value = match.groups()
+        try:
+            value = float(raw_value)
+        except ValueError:
+            continue  # a malformed value: skipped, as a line of a family we do not read would be
+        labels = {k: _unescape(v) for k, v in _LABEL.findall(raw_labels)} if raw_labels else {}
+        out.append((name, labels, value))
+    return out
 
 
-def filter_text(text: str) -> str:
-    """Only the lines of the families we read (and their HELP/TYPE lines)."""
-    return "\n".join(line for line in text.splitlines() if line.startswith(("vllm:", "# ")) and _keep(line)) + "\n"
+def _unescape(value: str) -> str:
+    if "\\" not in value:
+        return value
+    return _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
 
 
 def parse_engine_metrics(text: str) -> EngineMetrics:
@@ -91,25 +95,24 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     block_size: int | None = None
     totals: dict[str, float] = defaultdict(float)
     started_at: float | None = None
-    for family in text_string_to_metric_families(filter_text(text)):
-        for sample in family.samples:
-            engine = sample.labels.get("engine", "0")
-            if sample.name == USAGE_METRIC:
-                usage[engine] = sample.value
-            elif sample.name == LEGACY_USAGE_METRIC:
-                legacy[engine] = sample.value
-            elif sample.name in (RUNNING_METRIC, WAITING_METRIC):
-                totals[sample.name] += sample.value
-            elif sample.name == PREEMPTIONS_METRIC + "_total":
-                totals[PREEMPTIONS_METRIC] += sample.value
-            elif sample.name == SUCCESS_METRIC + "_total":
-                totals[SUCCESS_METRIC] += sample.value
-            elif sample.name == START_TIME_METRIC:
-                started_at = sample.value
-            elif sample.name == CACHE_CONFIG_METRIC:
-                if _int_label(sample.labels, "num_gpu_blocks") is not None:
-                    blocks[engine] = _int_label(sample.labels, "num_gpu_blocks") or 0
-                block_size = _int_label(sample.labels, "block_size") or block_size
+    for name, labels, value in samples(text):
+        engine = labels.get("engine", "0")
+        if name == USAGE_METRIC:
+            usage[engine] = value
+        elif name == LEGACY_USAGE_METRIC:
+            legacy[engine] = value
+        elif name in (RUNNING_METRIC, WAITING_METRIC):
+            totals[name] += value
+        elif name == PREEMPTIONS_METRIC + "_total":
+            totals[PREEMPTIONS_METRIC] += value
+        elif name == SUCCESS_METRIC + "_total":
+            totals[SUCCESS_METRIC] += value
+        elif name == START_TIME_METRIC:
+            started_at = value
+        elif name == CACHE_CONFIG_METRIC:
+            if _int_label(labels, "num_gpu_blocks") is not None:
+                blocks[engine] = _int_label(labels, "num_gpu_blocks") or 0
+            block_size = _int_label(labels, "block_size") or block_size
     per_engine = usage or legacy
     if not per_engine:
         raise MetricsFormatError(f"no {USAGE_METRIC} (or {LEGACY_USAGE_METRIC}) in the upstream's /metrics")

@@ -42,6 +42,9 @@ def test_completion_prompt_forms() -> None:
         ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0]"),
         ("completions", {"prompt": 5}, "prompt"),
         ("completions", {"prompt": [1, "a"]}, "prompt"),
+        ("completions", {"prompt": [1, True]}, "prompt"),  # a bool is not a token id
+        ("completions", {"prompt": [[1], [2, False]]}, "prompt"),
+        ("completions", {"prompt": [1, 2.0]}, "prompt"),
         ("completions", {"prompt": "a", "max_tokens": "10"}, "max_tokens"),
         ("completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
         ("completions", {"prompt": "a", "n": True}, "n"),

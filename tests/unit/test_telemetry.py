@@ -1,9 +1,12 @@
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.tokens.cost import KvGeometry
-from gateway.upstream.engine_metrics import MetricsFormatError, filter_text, parse_engine_metrics
+from gateway.upstream.engine_metrics import WANTED_SAMPLES, MetricsFormatError, parse_engine_metrics, samples
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -20,10 +23,22 @@ def test_real_vllm_sample_idle() -> None:
     assert m.usage == 0.0 and m.geometry is not None
 
 
-def test_filter_keeps_only_what_we_read() -> None:
-    kept = filter_text((DATA / "metrics-sample-saturated.txt").read_text())
-    names = {line.split("{")[0] for line in kept.splitlines() if line and not line.startswith("#")}
-    assert names == {
+def _oracle(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """What prometheus_client's own parser reads of the series we want."""
+    return [
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in WANTED_SAMPLES
+    ]
+
+
+@pytest.mark.parametrize("name", ["metrics-sample.txt", "metrics-sample-saturated.txt"])
+def test_reads_what_prometheus_client_reads_of_real_vllm(name: str) -> None:
+    text = (DATA / name).read_text()
+    assert samples(text) == _oracle(text)
+    assert {n for n, _, _ in samples(text)} == {
+        "process_start_time_seconds",  # changes when the engine restarts
         "vllm:kv_cache_usage_perc",
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
@@ -31,6 +46,44 @@ def test_filter_keeps_only_what_we_read() -> None:
         "vllm:cache_config_info",
         "vllm:request_success_total",  # goes back when the engine restarts
     }
+
+
+def test_the_api_servers_start_time_is_read() -> None:
+    # a line-filter that kept only "vllm:" lines dropped it, and restarts were noticed by counters alone
+    assert parse_engine_metrics((DATA / "metrics-sample.txt").read_text()).started_at == pytest.approx(1.79532285013e9)
+
+
+_label_values = st.text(alphabet=st.sampled_from(list('ab{}" =,\\\n\u00e9')), max_size=8)
+_names = st.sampled_from(
+    [*WANTED_SAMPLES, "vllm:num_requests_running_extra", "vllm:request_success_created", "vllm:other"]
+)
+
+
+def _escaped(value: str) -> str:
+    """A label value as the exposition format writes it: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+@st.composite
+def _exposition(draw: st.DrawFn) -> str:
+    lines = []
+    for name in draw(st.lists(_names, max_size=6)):
+        lines.append(f"# TYPE {name} gauge")
+        for _ in range(draw(st.integers(1, 3))):
+            labels = draw(st.dictionaries(st.sampled_from(["engine", "model_name", "block_size"]), _label_values))
+            body = ",".join(f'{k}="{_escaped(v)}"' for k, v in labels.items())
+            value = draw(st.sampled_from(["0", "1.5", "-2e3", "NaN", "+Inf", "7"]))
+            stamp = draw(st.sampled_from(["", " 1700000000000"]))
+            lines.append(f"{name}{{{body}}} {value}{stamp}" if labels else f"{name} {value}{stamp}")
+    return "\n".join(lines) + "\n"
+
+
+@given(_exposition())
+def test_reads_what_prometheus_client_reads(text: str) -> None:
+    def comparable(rows: list[tuple[str, dict[str, str], float]]) -> list[tuple[str, dict[str, str], str]]:
+        return [(n, labels, repr(float(v))) for n, labels, v in rows]  # NaN != NaN; "0" may read as int 0
+
+    assert comparable(samples(text)) == comparable(_oracle(text))
 
 
 def test_legacy_metric_name_before_vllm_0_12() -> None:

@@ -1,0 +1,97 @@
+"""The arrival pacer: a burst is priced a few per loop iteration, in arrival order, and the I/O of requests
+already admitted runs in between."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.server.pacing import ArrivalPacer
+
+
+async def _burst(pacer: ArrivalPacer, n: int, log: list[str]) -> None:
+    async def arrival(i: int) -> None:
+        await pacer.turn()
+        log.append(f"priced {i}")
+        await asyncio.sleep(0)  # what an admitted request's connect costs at least: one loop iteration
+        log.append(f"sent {i}")
+
+    await asyncio.gather(*(arrival(i) for i in range(n)))
+
+
+def test_a_burst_is_priced_in_order_and_the_first_are_sent_before_the_last_is_priced() -> None:
+    log: list[str] = []
+    pacer = ArrivalPacer(per_tick=4)
+    asyncio.run(_burst(pacer, 40, log))
+    priced = [int(e.split()[1]) for e in log if e.startswith("priced")]
+    assert priced == list(range(40))
+    assert log.index("sent 0") < log.index("priced 39") // 2  # without pacing: after all 40 are priced
+    assert pacer.deferred == 36 and pacer.waiting == 0
+
+
+def test_without_pacing_every_arrival_is_priced_before_any_is_sent() -> None:
+    """The baseline the pacer exists for: one iteration runs the whole burst."""
+    log: list[str] = []
+    asyncio.run(_burst(ArrivalPacer(per_tick=1000), 40, log))
+    assert log.index("sent 0") == 40
+
+
+@pytest.mark.parametrize("per_tick", [1, 3, 8])
+def test_at_most_per_tick_arrivals_pass_between_two_loop_iterations(per_tick: int) -> None:
+    async def run() -> list[int]:
+        pacer = ArrivalPacer(per_tick)
+        passed_per_iteration: list[int] = []
+        count = 0
+
+        async def arrival() -> None:
+            nonlocal count
+            await pacer.turn()
+            count += 1
+
+        async def clock() -> None:  # one sample per loop iteration
+            nonlocal count
+            for _ in range(60):
+                await asyncio.sleep(0)
+                passed_per_iteration.append(count)
+                count = 0
+
+        await asyncio.gather(clock(), *(arrival() for _ in range(25)))
+        return passed_per_iteration
+
+    counts = asyncio.run(run())
+    assert max(counts) <= per_tick and sum(counts) == 25
+
+
+def test_a_cancelled_waiter_gives_its_turn_to_the_next() -> None:
+    async def run() -> list[int]:
+        pacer = ArrivalPacer(per_tick=1)
+        order: list[int] = []
+
+        async def arrival(i: int) -> None:
+            await pacer.turn()
+            order.append(i)
+
+        tasks = [asyncio.create_task(arrival(i)) for i in range(4)]
+        await asyncio.sleep(0)  # all four have arrived: 0 passed, 1..3 wait
+        tasks[1].cancel()  # its client went away while it waited
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert pacer.waiting == 0
+        return order
+
+    assert asyncio.run(run()) == [0, 2, 3]
+
+
+def test_a_lone_arrival_does_not_wait() -> None:
+    async def run() -> bool:
+        pacer = ArrivalPacer(per_tick=1)
+        step = pacer.turn()
+        try:
+            step.send(None)  # runs to completion without suspending: StopIteration
+        except StopIteration:
+            return True
+        return False
+
+    assert asyncio.run(run())
+    with pytest.raises(ValueError):
+        ArrivalPacer(0)
