@@ -79,7 +79,8 @@ STATE_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("result",),
     ),
     "kvgate_prompts_priced": (
-        "Requests priced, by how their prompt was counted (estimate: the tokenizer skipped; tokenizer; token_ids)",
+        "Requests priced, by how their prompt was counted (estimate: the tokenizer skipped; conversation: an "
+        "earlier turn's count and the new messages' estimate; tokenizer; token_ids)",
         ("by",),
     ),
     "kvgate_prompts_near_limit": (

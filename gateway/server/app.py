@@ -274,6 +274,7 @@ class Gateway:
         yield "kvgate_tokenize_cache_lookups", ("miss",), float(self.tokenize_cache.misses)
         tally = self.costs.tally
         yield "kvgate_prompts_priced", ("estimate",), float(tally.by_estimate)
+        yield "kvgate_prompts_priced", ("conversation",), float(tally.by_conversation)
         yield "kvgate_prompts_priced", ("tokenizer",), float(tally.by_tokenizer)
         yield "kvgate_prompts_priced", ("token_ids",), float(tally.by_token_ids)
         yield "kvgate_prompts_near_limit", (), float(tally.near_limit)

@@ -11,7 +11,8 @@ exact count:
 * tokenization is not additive: BPE merges across the boundary between the prefix's text and the rest, so
   ``count(a + b)`` may be ``count(a) + count(b) - 1`` (or more).
 
-So the only exact reuse is a whole-request hit: the very bytes sent to /tokenize before (same messages,
+So the only exact reuse is a whole-request hit (what an earlier turn's count does give is a narrow band for
+the next: :mod:`gateway.tokens.conversations`): the very bytes sent to /tokenize before (same messages,
 tools, model and add_generation_prompt, in the same order; key order too, since a template that renders the
 tools with ``tojson`` renders their keys as sent). Keys are blake2b-256 digests of that body, never the text:
 the cache keeps no prompt, and both its entries and the bytes of its keys are bounded.

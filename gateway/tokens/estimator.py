@@ -11,6 +11,11 @@ not the band's high end (1.5-2x the median there): the error of one prompt does 
 the engine's sampled usage and the watermark's margin cover it. A prompt whose band is wide enough that its
 error alone could eat that margin (more than ``MAX_ERROR_SHARE`` of the pool) is counted, as is anything near
 a limit. Token-id prompts are exact and free either way.
+
+A chat the band cannot decide gets a second chance before it is counted: when an earlier turn of the same
+conversation was counted (or served: ``usage``), that count plus a band over the new messages alone
+(:mod:`gateway.tokens.conversations`) decides it the same way, and the long conversations that come near the
+context limit are not tokenized again at every turn.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 
 from gateway.protocol.errors import GatewayError
 from gateway.protocol.requests import InferenceRequest
+from gateway.tokens.conversations import FRAMING_TOKENS, Conversation, ConversationCounts, conversation_of
 from gateway.tokens.cost import KvGeometry, RequestCost, estimate_cost
 from gateway.tokens.counting import TokenCounter
 from gateway.tokens.prompt_estimate import EstimateErrors, PromptLengths, key_of, prompt_sizes
@@ -33,6 +39,7 @@ class PricingTally:
     """How requests were priced (plain counters, monotonic), and how good the estimate is."""
 
     by_estimate: int = 0  # text priced by its learned estimate: tokenizer skipped
+    by_conversation: int = 0  # chats priced by an earlier turn's exact count and the new messages' band
     by_tokenizer: int = 0  # text counted: fast path off, not learned yet, not estimable, or near a limit
     by_token_ids: int = 0  # token-id prompts: exact and free
     near_limit: int = 0  # of by_tokenizer: the band's high end failed a check, or its band is too wide
@@ -60,6 +67,7 @@ class CostEstimator:
         reserve_quantile: float = 0.7,
         max_error_share: float = MAX_ERROR_SHARE,
         lengths: PromptLengths | None = None,
+        conversations: ConversationCounts | None = None,
     ) -> None:
         self.counter = counter
         self._geometry = geometry
@@ -69,6 +77,7 @@ class CostEstimator:
         self.reserve_quantile = reserve_quantile
         self.max_error_share = max_error_share
         self.lengths = lengths if lengths is not None else PromptLengths()
+        self.conversations = conversations if conversations is not None else ConversationCounts()
         self.tally = PricingTally()
 
     async def estimate(self, request: InferenceRequest, *, exact: bool = False) -> RequestCost:
@@ -86,16 +95,26 @@ class CostEstimator:
                 retry_after_s=1.0,
             )
         token_ids = request.endpoint == "completions" and all(isinstance(p, list) for p in request.prompts)
+        conversation = None
         if not (token_ids or exact) and self.fast_path and self.counter.kind != "heuristic":
-            cost = self._by_estimate(request, geometry)
+            cost, near_limit = self._by_estimate(request, geometry)
             if cost is not None:
                 self.tally.by_estimate += 1
                 return cost
+            conversation = conversation_of(request)
+            if conversation is not None:
+                cost = self._by_known_prefix(request, conversation, geometry)
+                if cost is not None:
+                    self.tally.by_conversation += 1
+                    return cost
+            self.tally.near_limit += near_limit
         prompt_tokens = await self.counter.count(request)
         if token_ids:
             self.tally.by_token_ids += 1
         else:
             self.tally.by_tokenizer += 1
+            if conversation is not None:
+                self.conversations.observe(conversation, prompt_tokens[0])
         return self._price(request, prompt_tokens, geometry)
 
     def learn(self, request: InferenceRequest, prompt_tokens: int) -> None:
@@ -111,24 +130,56 @@ class CostEstimator:
         if self.lengths.learned(key):
             self.tally.errors.record(prompt_tokens, self.lengths.band(key, sizes[0]))
         self.lengths.observe(key, sizes[0], prompt_tokens)
+        if request.messages is not None and sizes[0] >= self.conversations.min_bytes:
+            conversation = conversation_of(request)
+            if conversation is not None:
+                self.conversations.observe(conversation, prompt_tokens)  # the next turn's known prefix
 
-    def _by_estimate(self, request: InferenceRequest, geometry: KvGeometry) -> RequestCost | None:
-        """Checked at the band's high end and priced at the reserve quantile; None when the high end fails a
-        check or the band is too wide for the pool: then only a count decides."""
+    def _by_estimate(self, request: InferenceRequest, geometry: KvGeometry) -> tuple[RequestCost | None, bool]:
+        """Checked at the band's high end and priced at the reserve quantile. No cost when nothing is learned
+        yet, or (near a limit: True) when the high end fails a check or the band is too wide for the pool."""
         key = key_of(request)
         sizes = prompt_sizes(request) if self.lengths.learned(key) else None
         if sizes is None:
-            return None
+            return None, False
         highs = tuple(self.lengths.band(key, size).high for size in sizes)
         reserved = tuple(self.lengths.reserved(key, size, self.reserve_quantile) for size in sizes)
+        cost = self._decided(request, highs, reserved, geometry)
+        return cost, cost is None
+
+    def _by_known_prefix(
+        self, request: InferenceRequest, conversation: Conversation, geometry: KvGeometry
+    ) -> RequestCost | None:
+        """An earlier turn's exact count plus the new messages' band and framing, decided as the estimate is;
+        the very conversation counted before is priced at its count."""
+        known = self.conversations.longest_known(conversation)
+        if known is None:
+            return None
+        if known.whole:
+            return self._price(request, (known.tokens,), geometry)  # exact: a limit refuses as a count would
+        key = key_of(request)
+        band = self.lengths.band(key, known.tail_bytes)
+        tail = self.lengths.reserved(key, known.tail_bytes, self.reserve_quantile)
+        if not self.lengths.learned(key):
+            tail = band.high  # the prior's ratio is no price: the new messages at its high end
+        framing = FRAMING_TOKENS * known.tail_messages
+        return self._decided(request, (known.tokens + band.high + framing,), (known.tokens + tail + framing,), geometry)
+
+    def _decided(
+        self,
+        request: InferenceRequest,
+        highs: tuple[int, ...],
+        reserved: tuple[int, ...],
+        geometry: KvGeometry,
+    ) -> RequestCost | None:
+        """Priced at ``reserved`` when every limit holds at ``highs`` (so it holds for the truth) and the gap
+        between them is small for the pool; else None: only a count decides."""
         error_tokens = (sum(highs) - sum(reserved)) * request.sequences_per_prompt
         try:
-            self._price(request, highs, geometry)  # every limit holds at the high end: it holds for the truth
+            self._price(request, highs, geometry)
         except GatewayError:
-            self.tally.near_limit += 1
             return None
         if error_tokens > self.max_error_share * geometry.num_blocks * geometry.block_size:
-            self.tally.near_limit += 1
             return None
         return dataclasses.replace(self._price(request, reserved, geometry), prompt_high=highs)
 

@@ -15,6 +15,7 @@ import pytest
 
 from gateway.protocol.errors import GatewayError
 from gateway.protocol.requests import InferenceRequest, parse_request
+from gateway.tokens.conversations import ConversationCounts
 from gateway.tokens.cost import KvGeometry, RequestCost
 from gateway.tokens.counting import TokenCounter
 from gateway.tokens.estimator import CostEstimator
@@ -241,3 +242,85 @@ async def test_a_prompt_whose_band_is_wide_against_the_pool_is_counted(hf: HFTok
     await teach(costs, hf, 150)
     await costs.estimate(request)
     assert (costs.tally.by_estimate, costs.tally.by_tokenizer, costs.tally.near_limit) == (0, 1, 1)
+
+
+# --- multi-turn conversations: an earlier turn's count narrows the band ------------------------------------
+
+LONG_CONTEXT = 3000
+
+
+def long_context_estimator(counter: TokenCounter, *, remember: bool = True) -> CostEstimator:
+    """A context of 3,000 tokens and a pool far larger: only the context limit is near."""
+    return CostEstimator(
+        counter,
+        geometry=lambda: KvGeometry(block_size=16, num_blocks=100_000),
+        max_model_len=lambda: LONG_CONTEXT,
+        high_watermark=0.9,
+        lengths=PromptLengths(min_samples=100),
+        conversations=ConversationCounts(min_bytes=0 if remember else 1 << 40),
+    )
+
+
+def chat(messages: list[dict[str, str]], max_tokens: int) -> InferenceRequest:
+    return parse_request("chat", orjson.dumps({"model": "m", "messages": messages, "max_tokens": max_tokens}))
+
+
+async def converse(costs: CostEstimator, hf: HFTokenizer, seed: int) -> tuple[int, int]:
+    """A conversation that grows a turn at a time until the context refuses it. Every turn: the decision is
+    the exact count's, the high end it was checked at is at least the exact count, and what the engine served
+    teaches the estimator (its usage). Returns (turns priced by an earlier turn, turns counted)."""
+    rng = random.Random(seed)
+    exact = TokenCounter(hf)
+    messages = [{"role": "user", "content": text(rng, 200)}]
+    by_conversation = counted = 0
+    for _ in range(200):
+        request = chat(messages, max_tokens=rng.randint(50, 300))
+        truth = (await exact.count(request))[0]
+        before = (costs.tally.by_conversation, costs.tally.by_tokenizer)
+        try:
+            cost = await costs.estimate(request)
+        except GatewayError as err:
+            assert truth >= LONG_CONTEXT, "refused what fits"  # vLLM clamps max_tokens: only the prompt counts
+            assert err.code == "context_length_exceeded"
+            break
+        assert truth < LONG_CONTEXT, "admitted what does not fit"
+        assert (cost.prompt_high or cost.prompt_tokens)[0] >= truth
+        by_conversation += costs.tally.by_conversation - before[0]
+        counted += costs.tally.by_tokenizer - before[1]
+        costs.learn(request, truth)
+        messages += [
+            {"role": "assistant", "content": text(rng, rng.randint(10, 60))},
+            {"role": "user", "content": text(rng, rng.randint(1, 20))},
+        ]
+    else:
+        raise AssertionError("the conversation never reached the context limit")
+    return by_conversation, counted
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_a_long_conversation_is_decided_by_its_earlier_turns_count_not_counted_again(
+    hf: HFTokenizer, seed: int
+) -> None:
+    """Near the context limit the learned band (a few percent of the prompt) straddles it turn after turn and
+    each turn is counted; with the previous turn's count known, the band is the new messages' alone."""
+    remembering = long_context_estimator(SpyCounter(hf))
+    forgetting = long_context_estimator(SpyCounter(hf), remember=False)
+    for costs in (remembering, forgetting):
+        await teach(costs, hf, 150)
+    remembered = await converse(remembering, hf, seed)
+    forgot = await converse(forgetting, hf, seed)
+    # this tiny BPE's band is wide: from half the context on, the plain band straddles it (30 of ~35 turns
+    # counted); an earlier turn's count leaves 1-2 counted, the turns right at the limit
+    assert forgot[0] == 0 and forgot[1] >= 10
+    assert remembered[0] >= 10 and remembered[1] * 5 < forgot[1]
+
+
+async def test_a_conversation_counted_before_is_priced_at_its_count(hf: HFTokenizer) -> None:
+    costs = long_context_estimator(SpyCounter(hf))
+    rng = random.Random(5)
+    request = chat([{"role": "user", "content": text(rng, 900)}], max_tokens=10)  # near 3,000: counted
+    first = await costs.estimate(request)
+    assert costs.tally.by_tokenizer == 1
+    again = await costs.estimate(request)
+    assert again.prompt_tokens == first.prompt_tokens and costs.tally.by_conversation == 1
+    assert costs.tally.by_tokenizer == 1
