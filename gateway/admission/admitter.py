@@ -111,6 +111,7 @@ class Admitter:
             remaining = max(0.0, budget - (self.clock() - started))
             admission = await self._acquire_here(cost, tenant, remaining, qclass, body_bytes, key, retry, prefix)
             if self.shared is None or await self._claimed(admission.reservation):
+                self.controller.placed(admission.reservation)
                 return admission
             self.release(admission.reservation, "claim_refused")
             retry = True

@@ -283,9 +283,10 @@ class AdmissionController:
 
     # --- the decision -------------------------------------------------------------------------------
 
-    def place(self, blocks: int, now: float, prefix: tuple[int, ...] = ()) -> tuple[EngineBook, float] | None:
-        """The engine where ``blocks`` more fit with the most headroom left after them, and its projected
-        usage then; None when no engine has room. A stale engine is chosen only when no fresh one fits.
+    def place(self, blocks: int, now: float, prefix: tuple[int, ...] = ()) -> tuple[EngineBook, float, bool] | None:
+        """The engine where ``blocks`` more fit with the most headroom left after them, its projected usage
+        then, and whether prefix affinity chose it; None when no engine has room. A stale engine is chosen
+        only when no fresh one fits.
 
         With a ``prefix`` (its prompt's chunk hashes), the engine that took the longest known part of it is
         preferred while its usage after would be at most ``prefix_affinity.max_headroom_cost`` above the
@@ -308,9 +309,8 @@ class AdmissionController:
             return None
         cost = self.config.prefix_affinity.max_headroom_cost
         if affine is not None and affine[2] is not best[2] and affine[0] <= best[0] and affine[1] <= best[1] + cost:
-            self.affinity_placements += 1
-            best = affine
-        return best[2], best[1]
+            return affine[2], affine[1], True
+        return best[2], best[1], False
 
     def _affine_engine(self, prefix: tuple[int, ...]) -> str | None:
         """The engine that took the longest known part of ``prefix``; None without one, or in a pool of one."""
@@ -333,14 +333,25 @@ class AdmissionController:
         now: float,
         projected_usage: float,
         prefix: tuple[int, ...] = (),
+        by_affinity: bool = False,
     ) -> Reservation:
         if prefix:
             self.affinity.record(prefix, book.name)
         res = book.ledger.reserve(cost, tenant, now, full, key)
         res.engine = book.name
-        book.placements += 1
+        res.by_affinity = by_affinity
         res.projected_usage = projected_usage  # what the decision saw, for the metrics
         return res
+
+    def placed(self, res: Reservation) -> None:
+        """The admission took effect (with shared books: its claim was granted): count the placement. Counted
+        here, not at the decision, so that a claim refused and placed again is one placement, and the
+        counters never go back."""
+        book = self.engines.get(res.engine)
+        if book is not None:
+            book.placements += 1
+        if res.by_affinity:
+            self.affinity_placements += 1
 
     # --- requests -----------------------------------------------------------------------------------
 
@@ -364,8 +375,8 @@ class AdmissionController:
         qclass = qclass or QueueClass()
         expected = self.expected_cost(cost, key)
         if not self.queue.waiting_at_or_above(qclass.priority) and (placed := self.place(expected.blocks, now, prefix)):
-            book, usage = placed
-            return Admitted(self._reserve(book, expected, cost, key, tenant, now, usage, prefix))
+            book, usage, by_affinity = placed
+            return Admitted(self._reserve(book, expected, cost, key, tenant, now, usage, prefix, by_affinity))
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         ahead = self.queue.prospective_position(tenant, qclass.priority, retry)
         predicted = self.predicted_wait(ahead, now)
@@ -400,11 +411,10 @@ class AdmissionController:
         admitted = []
         while (head := self.queue.peek()) is not None and (placed := self.place(head.cost.blocks, now, head.prefix)):
             self.queue.pop()
-            book, usage = placed
+            book, usage, by_affinity = placed
             full = head.full or head.cost
-            admitted.append(
-                (head, self._reserve(book, head.cost, full, head.key, head.tenant, now, usage, head.prefix))
-            )
+            res = self._reserve(book, head.cost, full, head.key, head.tenant, now, usage, head.prefix, by_affinity)
+            admitted.append((head, res))
         return admitted
 
     def expire(self, now: float) -> list[Ticket]:

@@ -37,6 +37,7 @@ class Reservation:
     full: RequestCost
     key: tuple[str, ...] = ()
     engine: str = ""  # the engine of the pool it was placed on
+    by_affinity: bool = False  # placed there by prefix affinity, over the engine with the most headroom
     outran: bool = False  # has grown past its first estimate
     first_token_at: float | None = None
     generated: int = 0

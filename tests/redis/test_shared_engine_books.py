@@ -60,6 +60,9 @@ def test_two_replicas_bursting_into_one_engine_between_two_scrapes(
         print(f"\n[shared books] peak {peak} of {NUM_BLOCKS} blocks (cap {HIGH_BLOCKS}); {claims:.0f} claims refused")
     else:
         assert peak > HIGH_BLOCKS, peak  # the premise: alone, each replica fills the engine on its own account
+    # a claim refused and placed again is one placement: one per request served, over both replicas
+    placements = sum(metric_sum(scrape(url), "kvgate_engine_placements_total", default=0) for url in replicas)
+    assert placements == len(statuses)
     for url in replicas:
         assert_ledger_empty(url)
 

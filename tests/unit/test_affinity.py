@@ -99,6 +99,7 @@ def placed_on(c: AdmissionController, blocks: int, now: float, chain: tuple[int,
     """Submit a request of ``blocks`` with this prefix; the engine it was admitted to (it must be admitted)."""
     d = c.submit(req(blocks), "t", now, prefix=chain)
     assert isinstance(d, Admitted)
+    c.placed(d.reservation)  # what the admitter does once the admission takes effect
     return d.reservation.engine
 
 
