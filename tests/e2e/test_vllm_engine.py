@@ -428,6 +428,8 @@ def test_client_disconnect_mid_stream_frees_the_engine(engine: VllmEngine, gatew
             break
         time.sleep(0.2)
     after = scrape(engine.base_url, timeout_s=10)
+    # kvgate's side first: a failure below then says which end did not hear of the disconnect
+    noticed = gateway_metric(gateway, "kvgate_client_disconnects_total")
 
     # vLLM counts finished requests by reason; an aborted one may be counted too (finished_reason="abort"), some
     # runs do and some do not. None may have run to the end: with ignore_eos that is reason "length".
@@ -436,7 +438,11 @@ def test_client_disconnect_mid_stream_frees_the_engine(engine: VllmEngine, gatew
         return metric_sum(after, name, finished_reason=reason) - metric_sum(before, name, finished_reason=reason)
 
     by_reason = {reason: finished(reason) for reason in ("length", "stop", "abort")}
-    assert by_reason["length"] + by_reason["stop"] == 0, f"closed streams ran to the end in the engine: {by_reason}"
+    assert noticed >= n, f"kvgate noticed {noticed:.0f} of {n} disconnects (engine: {by_reason})"
+    assert by_reason["length"] + by_reason["stop"] == 0, (
+        f"closed streams ran to the end in the engine: {by_reason}; kvgate had noticed {noticed:.0f} disconnects "
+        "and closed its engine connections, so the engine did not hear of it"
+    )
     print(f"\nclosed streams, finished in the engine by reason: {by_reason}")
     assert metric_sum(after, "vllm:num_requests_running") == 0 and metric_sum(after, "vllm:num_requests_waiting") == 0
     generated = metric_sum(after, "vllm:generation_tokens_total") - metric_sum(before, "vllm:generation_tokens_total")
@@ -445,4 +451,3 @@ def test_client_disconnect_mid_stream_frees_the_engine(engine: VllmEngine, gatew
     assert generated < n * max_tokens, f"the streams ran on after the disconnect ({generated} tokens)"
     ready = readyz(gateway)
     assert ready["inflight"] == 0 and ready["queue_depth"] == 0
-    assert gateway_metric(gateway, "kvgate_client_disconnects_total") >= n
