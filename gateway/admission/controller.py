@@ -335,23 +335,25 @@ class AdmissionController:
         prefix: tuple[int, ...] = (),
         by_affinity: bool = False,
     ) -> Reservation:
-        if prefix:
-            self.affinity.record(prefix, book.name)
         res = book.ledger.reserve(cost, tenant, now, full, key)
         res.engine = book.name
+        res.prefix = prefix
         res.by_affinity = by_affinity
         res.projected_usage = projected_usage  # what the decision saw, for the metrics
         return res
 
     def placed(self, res: Reservation) -> None:
-        """The admission took effect (with shared books: its claim was granted): count the placement. Counted
-        here, not at the decision, so that a claim refused and placed again is one placement, and the
-        counters never go back."""
+        """The admission took effect (with shared books: its claim was granted): count the placement and teach
+        prefix affinity where the prefix went. Here, not at the decision, so that a claim refused and placed
+        again is one placement (the counters never go back) and the prefix map names the engine that ran it."""
         book = self.engines.get(res.engine)
-        if book is not None:
-            book.placements += 1
+        if book is None:
+            return  # the engine left the pool meanwhile
+        book.placements += 1
         if res.by_affinity:
             self.affinity_placements += 1
+        if res.prefix:
+            self.affinity.record(res.prefix, book.name)
 
     # --- requests -----------------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ class Reservation:
     key: tuple[str, ...] = ()
     engine: str = ""  # the engine of the pool it was placed on
     by_affinity: bool = False  # placed there by prefix affinity, over the engine with the most headroom
+    prefix: tuple[int, ...] = ()  # its prompt's chunk hashes (prefix affinity), recorded once it takes effect
     outran: bool = False  # has grown past its first estimate
     first_token_at: float | None = None
     generated: int = 0

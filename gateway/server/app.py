@@ -161,6 +161,7 @@ class Gateway:
 
     async def _resolve_tokenizer(self) -> None:
         self.tokenize_cache.clear()  # counts of another model, or of an engine since restarted
+        self.costs.conversations.clear()
         self.costs.counter = await build_counter(
             self.config.tokenizer,
             session=self.session(),

@@ -23,12 +23,13 @@ class ArrivalPacer:
         self.per_tick = per_tick
         self._passed = 0  # arrivals let through since the last tick
         self._waiting: deque[asyncio.Future[None]] = deque()
+        self._woken = 0  # given their turn, not yet resumed: arrivals behind them must not overtake them
         self._tick_pending = False
         self.deferred = 0  # arrivals that had to wait for a later iteration (exported as a counter)
 
     async def turn(self) -> None:
         """Return when this arrival may be priced: at once, or in arrival order in a later loop iteration."""
-        if not self._waiting and self._passed < self.per_tick:
+        if not self._waiting and not self._woken and self._passed < self.per_tick:
             self._passed += 1
             self._arm()
             return
@@ -36,7 +37,11 @@ class ArrivalPacer:
         self._waiting.append(waiter)
         self.deferred += 1
         self._arm()
-        await waiter  # a cancelled waiter (its client went away) is skipped by the tick
+        try:
+            await waiter  # a waiter cancelled before its turn (its client went away) is skipped by the tick
+        finally:
+            if waiter.done() and not waiter.cancelled():
+                self._woken -= 1  # resumed, or cancelled after its turn came: either way no longer ahead
 
     def _arm(self) -> None:
         if not self._tick_pending:
@@ -52,6 +57,7 @@ class ArrivalPacer:
             if not waiter.done():
                 waiter.set_result(None)
                 self._passed += 1
+                self._woken += 1
         if self._waiting or self._passed:
             self._arm()
 

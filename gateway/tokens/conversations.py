@@ -8,15 +8,21 @@ CPU) or by the engine's ``/tokenize`` (a round trip and as much CPU on its API s
 The previous turn's prompt is a prefix of this one, and its exact count is known: the engine reported it
 (``usage.prompt_tokens``) when it served that turn, or kvgate counted it. Adding counts is not exact
 (:mod:`gateway.tokens.count_cache` says why: templates render a message by its neighbours, BPE merges across
-boundaries), so a prefix's count does not replace counting; it narrows the band. The new messages alone are
-estimated (the learned band of their bytes) and given :data:`FRAMING_TOKENS` each for the template's framing
-and the boundary, so a 30k-token conversation with a 500-byte new turn is priced within ~150 tokens instead
-of ~3,000, and decided without counting unless it is that close to a limit.
+boundaries), so a prefix's count does not replace counting; it narrows the band. The new messages are checked
+at the most text can make of their bytes (one token per byte: no byte-level BPE or byte-fallback tokenizer
+exceeds it, however dense the new turn: code, hashes, CJK, tool output) plus :data:`FRAMING_TOKENS` each for
+the template's framing and the boundary, and priced at the learned ratio. A 30k-token conversation with a
+500-byte new turn is decided within ~500 tokens of the limit instead of ~3,000, without counting.
 
 Keys chain blake2b digests over the model, the tools and each message's JSON in order (never the text):
-``chain[i]`` stands for the conversation's first ``i + 1`` messages. Bounded: ``max_entries`` digests, the
-least recently used dropped first. Only conversations of at least ``min_bytes`` are remembered: a short chat
-is cheap to count and never near a limit.
+``chain[i]`` stands for the conversation's first ``i + 1`` messages. What else a template renders from the
+body (``chat_template``, ``chat_template_kwargs``, ``add_generation_prompt``) is not in the key, as it is not in
+the ``/tokenize`` counts either: a whole-conversation hit sent with other template arguments is off by what they
+change (a few tokens of generation prompt), which the live usage gate and the watermark's margin absorb.
+
+Bounded: ``max_entries`` digests, the least recently used dropped first. Only conversations of at least
+``min_bytes`` are remembered: a short chat is cheap to count and never near a limit. Forgotten when the
+tokenizer is chosen again (``auto`` found another model).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 import orjson
 
 from gateway.protocol.requests import InferenceRequest
+from gateway.tokens.prompt_estimate import text_only
 
 FRAMING_TOKENS = 8  # per new message: role header and end-of-turn markers, the generation prompt's swap
 DEFAULT_ENTRIES = 4096
@@ -63,8 +70,9 @@ class KnownPrefix:
 
 
 def conversation_of(request: InferenceRequest) -> Conversation | None:
-    """The chain of a chat request; None for anything else, or when its messages are not JSON."""
-    if request.messages is None:
+    """The chain of a chat request; None for anything else, for a chat with images or audio (bytes do not
+    describe them: such requests are always counted), or when its messages are not JSON."""
+    if request.messages is None or not text_only(request.messages):
         return None
     try:
         h = hashlib.blake2b(orjson.dumps([request.model or "", request.tools]), digest_size=16)

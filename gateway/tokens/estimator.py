@@ -13,14 +13,15 @@ error alone could eat that margin (more than ``MAX_ERROR_SHARE`` of the pool) is
 a limit. Token-id prompts are exact and free either way.
 
 A chat the band cannot decide gets a second chance before it is counted: when an earlier turn of the same
-conversation was counted (or served: ``usage``), that count plus a band over the new messages alone
-(:mod:`gateway.tokens.conversations`) decides it the same way, and the long conversations that come near the
-context limit are not tokenized again at every turn.
+conversation was counted (or served: ``usage``), that count plus the most the new messages can be (one token
+per byte, and their framing; :mod:`gateway.tokens.conversations`) decides it the same way, and the long
+conversations that come near the context limit are not tokenized again at every turn.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -158,12 +159,14 @@ class CostEstimator:
         if known.whole:
             return self._price(request, (known.tokens,), geometry)  # exact: a limit refuses as a count would
         key = key_of(request)
-        band = self.lengths.band(key, known.tail_bytes)
+        # checked at one token per byte: the learned band is a band over whole prompts, and a dense new turn
+        # (code, hashes, CJK after English) is no draw from it
+        most = math.ceil(self.lengths.prior.high * known.tail_bytes)
         tail = self.lengths.reserved(key, known.tail_bytes, self.reserve_quantile)
         if not self.lengths.learned(key):
-            tail = band.high  # the prior's ratio is no price: the new messages at its high end
+            tail = most  # the prior's ratio is no price: the new messages at their most
         framing = FRAMING_TOKENS * known.tail_messages
-        return self._decided(request, (known.tokens + band.high + framing,), (known.tokens + tail + framing,), geometry)
+        return self._decided(request, (known.tokens + most + framing,), (known.tokens + tail + framing,), geometry)
 
     def _decided(
         self,

@@ -37,6 +37,7 @@ import bisect
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -57,12 +58,8 @@ def prompt_sizes(request: InferenceRequest) -> tuple[int, ...] | None:
     """The measure of each prompt (one for a chat), in bytes; None when bytes do not describe it: token ids
     (exact and free to count anyway), or a chat with non-text content parts."""
     if request.messages is not None:
-        for message in request.messages:
-            content = message.get("content")
-            if isinstance(content, list) and any(
-                isinstance(part, dict) and part.get("type") not in _TEXT_PARTS for part in content
-            ):
-                return None
+        if not text_only(request.messages):
+            return None
         try:
             size = len(orjson.dumps(request.messages)) + CHAT_OVERHEAD_BYTES
             if request.tools:
@@ -73,6 +70,17 @@ def prompt_sizes(request: InferenceRequest) -> tuple[int, ...] | None:
     if not request.prompts or not all(isinstance(p, str) for p in request.prompts):
         return None
     return tuple(_utf8_len(p) + PROMPT_OVERHEAD_BYTES for p in request.prompts if isinstance(p, str))
+
+
+def text_only(messages: list[dict[str, Any]]) -> bool:
+    """No content part other than text: images and audio are not described by bytes."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and any(
+            isinstance(part, dict) and part.get("type") not in _TEXT_PARTS for part in content
+        ):
+            return False
+    return True
 
 
 def _utf8_len(text: str) -> int:

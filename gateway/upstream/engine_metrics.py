@@ -49,11 +49,12 @@ _SAMPLE_LINE = re.compile(
     + r")(?:\{(.*)\})?[ \t]+(\S+)"
 )
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
-_UNESCAPE = re.compile(r"\\(.)")
+_UNESCAPE = re.compile(r'\\([\\"n])')  # the format's three escapes; any other backslash is kept
 
 
 class MetricsFormatError(ValueError):
-    """The upstream's /metrics text has no KV usage metric: wrong URL, or not a vLLM server."""
+    """The upstream's /metrics text has no KV usage metric (wrong URL, or not a vLLM server), or a value of one of
+    the series we read is not a number."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,7 @@ def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
         try:
             value = float(raw_value)
         except ValueError:
-            continue  # a malformed value: skipped, as a line of a family we do not read would be
+            raise MetricsFormatError(f"{name}: {raw_value!r} is not a sample value") from None
         labels = {k: _unescape(v) for k, v in _LABEL.findall(raw_labels)} if raw_labels else {}
         out.append((name, labels, value))
     return out

@@ -310,9 +310,9 @@ async def test_a_long_conversation_is_decided_by_its_earlier_turns_count_not_cou
     remembered = await converse(remembering, hf, seed)
     forgot = await converse(forgetting, hf, seed)
     # this tiny BPE's band is wide: from half the context on, the plain band straddles it (30 of ~35 turns
-    # counted); an earlier turn's count leaves 1-2 counted, the turns right at the limit
+    # counted); an earlier turn's count, with the new turn at one token per byte, leaves 4-5 counted
     assert forgot[0] == 0 and forgot[1] >= 10
-    assert remembered[0] >= 10 and remembered[1] * 5 < forgot[1]
+    assert remembered[0] >= 10 and remembered[1] <= forgot[1] // 4
 
 
 async def test_a_conversation_counted_before_is_priced_at_its_count(hf: HFTokenizer) -> None:
@@ -324,3 +324,25 @@ async def test_a_conversation_counted_before_is_priced_at_its_count(hf: HFTokeni
     again = await costs.estimate(request)
     assert again.prompt_tokens == first.prompt_tokens and costs.tally.by_conversation == 1
     assert costs.tally.by_tokenizer == 1
+
+
+async def test_a_dense_new_turn_is_no_draw_from_the_learned_band(hf: HFTokenizer) -> None:
+    """Learned on prose, then a turn of characters the tokenizer has no merges for (one token each): checked at
+    the learned ratio it would pass the context limit unseen; at one token per byte it is counted, and refused
+    exactly as the count refuses it."""
+    costs = long_context_estimator(SpyCounter(hf))
+    await teach(costs, hf, 400)  # ~200 chats: the chat key has learned (100 needed)
+    assert costs.lengths.learned(("m", "chat"))
+    rng = random.Random(7)
+    exact = TokenCounter(hf)
+    messages = [{"role": "user", "content": text(rng, 2150)}]  # ~2,400 tokens
+    first = chat(messages, max_tokens=10)
+    costs.learn(first, (await exact.count(first))[0])
+    dense = "".join(rng.choices("#$%&*+/<=>@^_`|~", k=900))
+    later = chat([*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": dense}], 10)
+    truth = (await exact.count(later))[0]
+    known = (await exact.count(first))[0]
+    assert known < LONG_CONTEXT <= truth  # the premise: the prefix fits, the dense turn takes it past the limit
+    with pytest.raises(GatewayError) as err:
+        await costs.estimate(later)
+    assert err.value.code == "context_length_exceeded" and costs.tally.by_conversation == 0

@@ -95,3 +95,45 @@ def test_a_lone_arrival_does_not_wait() -> None:
     assert asyncio.run(run())
     with pytest.raises(ValueError):
         ArrivalPacer(0)
+
+
+def test_arrivals_of_later_iterations_queue_behind_those_given_their_turn() -> None:
+    """Six arrivals, then three more an iteration later, while two of the first six have been given their turn
+    but not yet resumed: the three wait behind them."""
+
+    async def run() -> list[int]:
+        pacer = ArrivalPacer(per_tick=4)
+        order: list[int] = []
+
+        async def arrival(i: int) -> None:
+            await pacer.turn()
+            order.append(i)
+
+        first = [asyncio.create_task(arrival(i)) for i in range(6)]
+        await asyncio.sleep(0)  # 0-3 passed, 4-5 wait
+        # the next iteration runs the tick (4 and 5 get their turn: they resume one iteration later), then these
+        later = [asyncio.create_task(arrival(i)) for i in range(6, 9)]
+        await asyncio.gather(*first, *later)
+        return order
+
+    assert asyncio.run(run()) == list(range(9))
+
+
+def test_a_waiter_cancelled_after_its_turn_came_does_not_block_the_rest() -> None:
+    async def run() -> list[int]:
+        pacer = ArrivalPacer(per_tick=1)
+        order: list[int] = []
+
+        async def arrival(i: int) -> None:
+            await pacer.turn()
+            order.append(i)
+
+        tasks = [asyncio.create_task(arrival(i)) for i in range(3)]
+        await asyncio.sleep(0)  # 0 passed; 1 and 2 wait
+        await asyncio.sleep(0)  # the tick gave 1 its turn: it resumes next iteration
+        tasks[1].cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert pacer.waiting == 0 and pacer._woken == 0
+        return order
+
+    assert asyncio.run(run()) == [0, 2]

@@ -121,3 +121,15 @@ def test_data_parallel_engines_aggregate_by_blocks() -> None:
 def test_not_a_vllm_server() -> None:
     with pytest.raises(MetricsFormatError):
         parse_engine_metrics("# TYPE up gauge\nup 1\n")
+
+
+def test_an_unknown_escape_is_kept_as_prometheus_client_keeps_it() -> None:
+    text = 'vllm:cache_config_info{block_size="16",path="C:\\\\tmp\\tx",q="say \\"hi\\"\\n"} 1.0\n'
+    assert samples(text) == _oracle(text)
+    assert samples(text)[0][1]["path"] == "C:\\tmp\\tx"
+
+
+def test_a_value_that_is_not_a_number_fails_the_scrape() -> None:
+    """As prometheus_client's parser did: the scrape counts as failed rather than read a gauge as absent."""
+    with pytest.raises(MetricsFormatError):
+        parse_engine_metrics('vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:num_requests_running{engine="0"} abc\n')
