@@ -10,6 +10,21 @@ import pytest
 from gateway.server.pacing import ArrivalPacer
 
 
+class Arrivals:
+    """Arrivals through one pacer, recorded in the order they were let through."""
+
+    def __init__(self, per_tick: int) -> None:
+        self.pacer = ArrivalPacer(per_tick)
+        self.order: list[int] = []
+
+    async def arrive(self, i: int) -> None:
+        await self.pacer.turn()
+        self.order.append(i)
+
+    def start(self, ids: range) -> list[asyncio.Task[None]]:
+        return [asyncio.create_task(self.arrive(i)) for i in ids]
+
+
 async def _burst(pacer: ArrivalPacer, n: int, log: list[str]) -> None:
     async def arrival(i: int) -> None:
         await pacer.turn()
@@ -65,19 +80,13 @@ def test_at_most_per_tick_arrivals_pass_between_two_loop_iterations(per_tick: in
 
 def test_a_cancelled_waiter_gives_its_turn_to_the_next() -> None:
     async def run() -> list[int]:
-        pacer = ArrivalPacer(per_tick=1)
-        order: list[int] = []
-
-        async def arrival(i: int) -> None:
-            await pacer.turn()
-            order.append(i)
-
-        tasks = [asyncio.create_task(arrival(i)) for i in range(4)]
+        arrivals = Arrivals(per_tick=1)
+        tasks = arrivals.start(range(4))
         await asyncio.sleep(0)  # all four have arrived: 0 passed, 1..3 wait
         tasks[1].cancel()  # its client went away while it waited
         await asyncio.gather(*tasks, return_exceptions=True)
-        assert pacer.waiting == 0
-        return order
+        assert arrivals.pacer.waiting == 0
+        return arrivals.order
 
     assert asyncio.run(run()) == [0, 2, 3]
 
@@ -102,38 +111,26 @@ def test_arrivals_of_later_iterations_queue_behind_those_given_their_turn() -> N
     but not yet resumed: the three wait behind them."""
 
     async def run() -> list[int]:
-        pacer = ArrivalPacer(per_tick=4)
-        order: list[int] = []
-
-        async def arrival(i: int) -> None:
-            await pacer.turn()
-            order.append(i)
-
-        first = [asyncio.create_task(arrival(i)) for i in range(6)]
+        arrivals = Arrivals(per_tick=4)
+        first = arrivals.start(range(6))
         await asyncio.sleep(0)  # 0-3 passed, 4-5 wait
         # the next iteration runs the tick (4 and 5 get their turn: they resume one iteration later), then these
-        later = [asyncio.create_task(arrival(i)) for i in range(6, 9)]
+        later = arrivals.start(range(6, 9))
         await asyncio.gather(*first, *later)
-        return order
+        return arrivals.order
 
     assert asyncio.run(run()) == list(range(9))
 
 
 def test_a_waiter_cancelled_after_its_turn_came_does_not_block_the_rest() -> None:
     async def run() -> list[int]:
-        pacer = ArrivalPacer(per_tick=1)
-        order: list[int] = []
-
-        async def arrival(i: int) -> None:
-            await pacer.turn()
-            order.append(i)
-
-        tasks = [asyncio.create_task(arrival(i)) for i in range(3)]
+        arrivals = Arrivals(per_tick=1)
+        tasks = arrivals.start(range(3))
         await asyncio.sleep(0)  # 0 passed; 1 and 2 wait
         await asyncio.sleep(0)  # the tick gave 1 its turn: it resumes next iteration
         tasks[1].cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        assert pacer.waiting == 0 and pacer._woken == 0
-        return order
+        assert arrivals.pacer.waiting == 0 and arrivals.pacer._woken == 0
+        return arrivals.order
 
     assert asyncio.run(run()) == [0, 2]
