@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from gateway.admission.affinity import prefix_chain
 from gateway.admission.controller import DEFAULT_ENGINE, AdmissionController, Admitted, Queued, UsageSample
+from gateway.admission.engine import SampleMark
 from gateway.admission.ledger import Reservation
 from gateway.admission.queue import PRIORITIES, QueueClass, Ticket
 from gateway.metrics import GatewayMetrics
@@ -34,12 +35,19 @@ NOT_FINISHED = frozenset({"claim_refused", "engine_unreachable"})
 
 class SharedBooks(Protocol):
     """Blocks in flight per engine, shared with the other gateway replicas (see
-    :mod:`gateway.tenants.shared_books`). None from either call: the shared books cannot say right now."""
+    :mod:`gateway.tenants.shared_books`). ``mark``: the sample this replica's view of the engine rests on; the
+    other replicas' claims are summed as that sample sees them. None from either call: the shared books
+    cannot say right now."""
 
-    async def claim(self, engine: str, member: str, blocks: int, limit: int) -> tuple[bool, int] | None: ...
+    async def claim(
+        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None
+    ) -> tuple[bool, int] | None: ...
 
-    async def restate(self, engine: str, held: dict[str, int], everything: bool = False) -> int | None:
-        """Set this replica's claims on ``engine`` (0 removes one; ``everything``: unlisted ones go too)."""
+    async def restate(
+        self, engine: str, held: dict[str, tuple[int, int]], mark: SampleMark | None, everything: bool = False
+    ) -> int | None:
+        """Set this replica's claims on ``engine``, (blocks, of which ``mark``'s sample shows) each (0 blocks
+        removes one; ``everything``: unlisted ones go too)."""
         ...
 
 
@@ -124,7 +132,10 @@ class Admitter:
         if book is None:
             return True
         try:
-            answer = await self.shared.claim(res.engine, str(res.id), res.blocks, book.room_for_others(self.clock()))
+            now = self.clock()
+            answer = await self.shared.claim(
+                res.engine, str(res.id), res.blocks, book.room_for_others(now), book.shared_mark(now)
+            )
         except BaseException:
             self.release(res, "client_disconnect")
             raise
@@ -241,7 +252,7 @@ class Admitter:
             return False
         self.metrics.released.labels(outcome).inc()
         if self.shared is not None:
-            self._spawn(self._restate(reservation.engine, {str(reservation.id): 0}))
+            self._spawn(self._restate(reservation.engine, {str(reservation.id): (0, 0)}))
         self.pump()
         return True
 
@@ -250,10 +261,11 @@ class Admitter:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _restate(self, engine: str, held: dict[str, int], everything: bool = False) -> None:
+    async def _restate(self, engine: str, held: dict[str, tuple[int, int]], everything: bool = False) -> None:
         assert self.shared is not None
-        others = await self.shared.restate(engine, held, everything)
         book = self.controller.engines.get(engine)
+        mark = None if book is None else book.shared_mark(self.clock())
+        others = await self.shared.restate(engine, held, mark, everything)
         if others is not None and book is not None:
             book.others_blocks = others
 
@@ -267,7 +279,7 @@ class Admitter:
         try:
             book = self.controller.engines.get(engine)
             if book is not None:
-                await self._restate(engine, book.unsampled(), everything=True)
+                await self._restate(engine, book.claims(), everything=True)
         finally:
             self._restating.discard(engine)
 

@@ -37,10 +37,23 @@ BOUND_SLACK = 0.005
 
 
 @dataclass(frozen=True, slots=True)
+class SampleMark:
+    """Which moment of an engine's life a sample shows, comparable between gateway replicas without trusting
+    their clocks: the engine's process (its start time) and the tokens it had processed by then. Every step
+    that grows a request's blocks past what its client has been sent counts tokens before the client hears of
+    them, so a sample of the same process whose count is at least another's shows everything the other showed
+    of every request still running (the shared books' scripts compare them so)."""
+
+    process: float
+    tokens: float
+
+
+@dataclass(frozen=True, slots=True)
 class UsageSample:
     """One scrape of the engine, already aggregated over data-parallel engines. ``started_at`` is when the
     engine's process started (None when it does not say); with ``served`` (requests it finished, a counter)
-    and ``preemptions`` it tells a restart from a busy engine."""
+    and ``preemptions`` it tells a restart from a busy engine. ``tokens``: prompt and generated tokens the
+    engine has processed (None when it does not say)."""
 
     usage: float
     taken_at: float
@@ -50,6 +63,13 @@ class UsageSample:
     preemptions: float = 0.0
     served: float = 0.0
     started_at: float | None = None
+    tokens: float | None = None
+
+    @property
+    def mark(self) -> SampleMark | None:
+        if self.started_at is None or self.tokens is None:
+            return None
+        return SampleMark(self.started_at, self.tokens)
 
     def restarted_since(self, previous: UsageSample) -> bool:
         if self.started_at is not None and previous.started_at is not None:
@@ -193,13 +213,18 @@ class EngineBook:
         cap = self.config.stale_ledger_cap if self.is_stale(now) else self.config.high_watermark
         return int(cap * self.geometry.num_blocks) - (projected - self.others_blocks)
 
-    def unsampled(self) -> dict[str, int]:
-        """What the other replicas must add to their view of this engine, per live reservation (by id): the
-        blocks the last sample does not show yet, or, when projections ignore the sample
-        (``exclusive_upstream``: the replicas' ledgers together are the bound), the whole reservation."""
-        if self.config.exclusive_upstream:
-            return {str(res.id): res.blocks for res in self.ledger.live()}
-        return {str(res.id): res.blocks - res.in_sample_blocks for res in self.ledger.live()}
+    def shared_mark(self, now: float) -> SampleMark | None:
+        """The sample this replica's projections rest on, as the other replicas' claims are weighed against it:
+        None when they rest on no sample (stale, or ``exclusive_upstream``: the ledgers together are the bound)
+        or the engine does not say which moment its sample shows. Then every claim counts whole."""
+        if self.config.exclusive_upstream or self.is_stale(now) or self.sample is None:
+            return None
+        return self.sample.mark
+
+    def claims(self) -> dict[str, tuple[int, int]]:
+        """This replica's live reservations as the other replicas must weigh them: (blocks, of which the
+        last sample shows), by id."""
+        return {str(res.id): (res.blocks, res.in_sample_blocks) for res in self.ledger.live()}
 
     def projected_usage(self, now: float) -> float | None:
         projected = self.projected_blocks(0, now)

@@ -129,73 +129,102 @@ return #KEYS
 """
 
 
-# Blocks in flight on one engine, per reservation of every replica, that the engine's own /metrics may not show
-# yet: KEYS[1] a sorted set (member -> lease expiry, ms, Redis time), KEYS[2] a hash (member -> blocks). Members
-# are "<replica>:<reservation>". ``others`` is the sum over the other replicas' unexpired members.
+# Blocks in flight on one engine, per reservation of every replica. KEYS[1]: a sorted set (member -> lease expiry,
+# ms, Redis time); KEYS[2]: a hash (member -> the reservation's blocks); KEYS[3]: a hash (member -> "shown
+# process tokens": how many of those blocks the claimant's last sample of the engine shows, and which sample
+# that was: the engine's process start time and the tokens it had processed). Members are
+# "<replica>:<reservation>". ``others`` sums the other replicas' unexpired members as a sample of the engine
+# (``process``, ``tokens``; process '' for none) sees them: less what they showed of themselves in a sample no
+# newer than that one (the engine's counters order its samples), whole otherwise.
 _OTHERS = """
-local function others(leases, blocks, prefix, now)
+local function others(leases, blocks, sampled, prefix, now, process, tokens)
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
   for _, member in ipairs(expired) do  -- one by one: unpack() has a limit, and a dead replica may leave many
     redis.call('HDEL', blocks, member)
+    redis.call('HDEL', sampled, member)
   end
   redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+  local shown = {}
+  if process ~= '' then
+    local all = redis.call('HGETALL', sampled)
+    for i = 1, #all, 2 do shown[all[i]] = all[i + 1] end
+  end
   local all = redis.call('HGETALL', blocks)
   local sum = 0
   for i = 1, #all, 2 do
-    if string.sub(all[i], 1, #prefix) ~= prefix then sum = sum + tonumber(all[i + 1]) end
+    local member = all[i]
+    if string.sub(member, 1, #prefix) ~= prefix then
+      local held = tonumber(all[i + 1])
+      local seen = shown[member]
+      if seen then
+        local n, p, t = string.match(seen, '^(%S+) (%S+) (%S+)$')
+        if p == process and tonumber(t) <= tokens then held = held - tonumber(n) end
+      end
+      sum = sum + held
+    end
   end
   return sum
+end
+local function expire(lease)
+  for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, lease * 2) end
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# Claim ``blocks`` for a new reservation if the other replicas' blocks fit under ``limit`` (what this replica's
-# own projection leaves for them). ARGV: prefix, member, blocks, limit, lease ms. Returns {claimed, others}.
+# Claim ``blocks`` for a new reservation if the other replicas' blocks, as this replica's sample sees them, fit
+# under ``limit`` (what this replica's own projection leaves for them). ARGV: prefix, member, blocks, limit,
+# lease ms, process, tokens. Returns {claimed, others}.
 _CLAIM = (
     _OTHERS
     + """
 local prefix, member, blocks, limit, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local sum = others(KEYS[1], KEYS[2], prefix, now)
+local sum = others(KEYS[1], KEYS[2], KEYS[3], prefix, now, ARGV[6], tonumber(ARGV[7]))
 if sum > limit then return {0, sum} end
 redis.call('ZADD', KEYS[1], now + lease, member)
 redis.call('HSET', KEYS[2], member, blocks)
-redis.call('PEXPIRE', KEYS[1], lease * 2)
-redis.call('PEXPIRE', KEYS[2], lease * 2)
+redis.call('HDEL', KEYS[3], member)
+expire(lease)
 return {1, sum}
 """
 )
 
-# Restate this replica's members (renewed leases, blocks the engine's metrics now show taken off; 0 removes).
-# ARGV: prefix, lease ms, everything (1: this replica's members not listed are removed too), then member,
-# blocks pairs. Returns the other replicas' sum.
+# Restate this replica's members: leases renewed, and how much of each its latest sample (process, tokens)
+# shows; 0 blocks removes one. ARGV: prefix, lease ms, everything (1: this replica's members not listed are
+# removed too), process, tokens, then member, blocks, shown triples. Returns the other replicas' sum.
 _RESTATE = (
     _OTHERS
     + """
 local prefix, lease, everything = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
+local process, tokens = ARGV[4], tonumber(ARGV[5])
+local function remove(member)
+  redis.call('ZREM', KEYS[1], member)
+  redis.call('HDEL', KEYS[2], member)
+  redis.call('HDEL', KEYS[3], member)
+end
 if everything then
   local listed = {}
-  for i = 4, #ARGV, 2 do listed[ARGV[i]] = true end
+  for i = 6, #ARGV, 3 do listed[ARGV[i]] = true end
   for _, member in ipairs(redis.call('HKEYS', KEYS[2])) do
-    if string.sub(member, 1, #prefix) == prefix and not listed[member] then
-      redis.call('ZREM', KEYS[1], member)
-      redis.call('HDEL', KEYS[2], member)
-    end
+    if string.sub(member, 1, #prefix) == prefix and not listed[member] then remove(member) end
   end
 end
-for i = 4, #ARGV, 2 do
-  local member, blocks = ARGV[i], tonumber(ARGV[i + 1])
+for i = 6, #ARGV, 3 do
+  local member, blocks, shown = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   if blocks > 0 then
     redis.call('ZADD', KEYS[1], now + lease, member)
     redis.call('HSET', KEYS[2], member, blocks)
+    if shown > 0 and process ~= '' then
+      redis.call('HSET', KEYS[3], member, shown .. ' ' .. process .. ' ' .. ARGV[5])
+    else
+      redis.call('HDEL', KEYS[3], member)
+    end
   else
-    redis.call('ZREM', KEYS[1], member)
-    redis.call('HDEL', KEYS[2], member)
+    remove(member)
   end
 end
-redis.call('PEXPIRE', KEYS[1], lease * 2)
-redis.call('PEXPIRE', KEYS[2], lease * 2)
-return others(KEYS[1], KEYS[2], prefix, now)
+expire(lease)
+return others(KEYS[1], KEYS[2], KEYS[3], prefix, now, process, tokens)
 """
 )
 
@@ -359,22 +388,43 @@ class RedisState:
     # --- blocks in flight per engine, shared by the replicas -----------------------------------------
 
     def _engine_keys(self, engine: str) -> list[str]:
-        return [self.key("engine-leases", engine), self.key("engine-blocks", engine)]
+        return [self.key(kind, engine) for kind in ("engine-leases", "engine-blocks", "engine-sampled")]
 
-    async def claim_blocks(self, engine: str, member: str, blocks: int, limit: int, lease_s: float) -> tuple[bool, int]:
-        out: list[Any] = await self._call(
-            lambda: self._claim(
-                keys=self._engine_keys(engine),
-                args=[f"{self.replica_id}:", f"{self.replica_id}:{member}", blocks, limit, int(lease_s * 1000)],
-            )
-        )
+    async def claim_blocks(
+        self, engine: str, member: str, blocks: int, limit: int, lease_s: float, mark: tuple[float, float] | None
+    ) -> tuple[bool, int]:
+        """``mark``: (process start, tokens) of the sample this replica's view rests on, None for none."""
+        args: list[str | int] = [
+            f"{self.replica_id}:",
+            f"{self.replica_id}:{member}",
+            blocks,
+            limit,
+            int(lease_s * 1000),
+            *_args(mark),
+        ]
+        out: list[Any] = await self._call(lambda: self._claim(keys=self._engine_keys(engine), args=args))
         return int(out[0]) == 1, int(out[1])
 
-    async def restate_blocks(self, engine: str, held: dict[str, int], lease_s: float, everything: bool) -> int:
-        pairs = [x for member, blocks in held.items() for x in (f"{self.replica_id}:{member}", blocks)]
-        args = [f"{self.replica_id}:", int(lease_s * 1000), 1 if everything else 0, *pairs]
+    async def restate_blocks(
+        self,
+        engine: str,
+        held: dict[str, tuple[int, int]],
+        lease_s: float,
+        everything: bool,
+        mark: tuple[float, float] | None,
+    ) -> int:
+        """``held``: member -> (blocks, of which the sample of ``mark`` shows)."""
+        me = self.replica_id
+        triples = [x for member, (blocks, shown) in held.items() for x in (f"{me}:{member}", blocks, shown)]
+        args: list[str | int] = [f"{self.replica_id}:", int(lease_s * 1000), int(everything), *_args(mark), *triples]
         others = await self._call(lambda: self._restate(keys=self._engine_keys(engine), args=args))
         return int(others)
+
+
+def _args(mark: tuple[float, float] | None) -> tuple[str, str]:
+    """A sample mark as the scripts compare it: the process start time as text (both sides format the same
+    parsed float, so equal starts are equal strings), the token count as a number."""
+    return ("", "0") if mark is None else (repr(mark[0]), repr(mark[1]))
 
 
 def _state(limit: int, left: float) -> LimitState | None:

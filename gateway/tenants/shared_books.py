@@ -4,14 +4,28 @@ Each replica knows its own reservations; the engine's ``/metrics`` shows everyon
 scrape. Two replicas that admit into the same engine between two scrapes each see room the other is about to
 take. So every admission claims its blocks in Redis, per engine, with an atomic script that admits it only if
 the other replicas' claims still fit under what this replica's own projection leaves; each replica restates
-its claims at every sample (what the engine's metrics now show is taken off; leases renewed), and a replica
-that dies loses its claims when their lease runs out. The admission core sees this only through
-:class:`gateway.admission.admitter.SharedBooks`: Redis down means "unknown", and admission goes on locally.
+its claims at every sample (leases renewed), and a replica that dies loses its claims when their lease runs
+out.
+
+A claim is counted whole, less what the engine's metrics already show of it; but the replicas scrape the
+engine at different moments. A request admitted by one replica after another's last scrape, and seen
+decoding by its own, is in neither that other replica's sample nor, had it been taken off, its claim. So each
+restated claim says which sample showed how much of it (:class:`gateway.admission.engine.SampleMark`), and
+a replica takes that part off only when its own sample is at least as recent; otherwise it counts the claim
+whole, and a newer sample of its own makes the sum precise again.
+
+The admission core sees this only through :class:`gateway.admission.admitter.SharedBooks`: Redis down means
+"unknown", and admission goes on locally.
 """
 
 from __future__ import annotations
 
+from gateway.admission.engine import SampleMark
 from gateway.tenants.redis_store import RedisState, RedisUnavailable
+
+
+def _mark(mark: SampleMark | None) -> tuple[float, float] | None:
+    return None if mark is None else (mark.process, mark.tokens)
 
 
 class RedisEngineBooks:
@@ -19,23 +33,28 @@ class RedisEngineBooks:
         self.redis = redis
         self.lease_s = lease_s
 
-    async def claim(self, engine: str, member: str, blocks: int, limit: int) -> tuple[bool, int] | None:
-        """Claim ``blocks`` on ``engine`` if the other replicas' claims are at most ``limit`` blocks: (claimed,
-        their blocks), or None when Redis cannot say."""
+    async def claim(
+        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None
+    ) -> tuple[bool, int] | None:
+        """Claim ``blocks`` on ``engine`` if the other replicas' claims, as ``mark``'s sample sees them, are at most
+        ``limit`` blocks: (claimed, their blocks), or None when Redis cannot say."""
         if not self.redis.healthy:
             return None
         try:
-            return await self.redis.claim_blocks(engine, member, blocks, limit, self.lease_s)
+            return await self.redis.claim_blocks(engine, member, blocks, limit, self.lease_s, _mark(mark))
         except RedisUnavailable:
             return None
 
-    async def restate(self, engine: str, held: dict[str, int], everything: bool = False) -> int | None:
-        """Set this replica's claims on ``engine`` (0 removes one; ``everything``: its claims not listed are
-        removed too, so a claim re-added by a late restate lasts one sample, not a lease); the other replicas'
-        blocks, or None."""
+    async def restate(
+        self, engine: str, held: dict[str, tuple[int, int]], mark: SampleMark | None, everything: bool = False
+    ) -> int | None:
+        """Set this replica's claims on ``engine``: (blocks, of which ``mark``'s sample shows) each, 0 blocks
+        removes one; ``everything``: its claims not listed are removed too, so a claim re-added by a late
+        restate lasts one sample, not a lease. The other replicas' blocks as ``mark``'s sample sees them, or
+        None."""
         if not self.redis.healthy:
             return None
         try:
-            return await self.redis.restate_blocks(engine, held, self.lease_s, everything)
+            return await self.redis.restate_blocks(engine, held, self.lease_s, everything, _mark(mark))
         except RedisUnavailable:
             return None

@@ -1,6 +1,6 @@
 """Reading vLLM's ``/metrics``: pure parsing and aggregation, no I/O.
 
-vLLM exposes several hundred series; we need eight. One regular expression anchored on their names picks
+vLLM exposes several hundred series; we need ten. One regular expression anchored on their names picks
 their lines out of the text (~0.1 ms for real vLLM's 50 KB, where filtering lines and handing them to
 prometheus_client's parser took ~1.5 ms: a pool of four engines scraped at 20 Hz spent a sixth of a core on
 it). The tests hold it to prometheus_client's parser on real vLLM samples and generated ones.
@@ -25,6 +25,9 @@ PREEMPTIONS_METRIC = "vllm:num_preemptions"  # family name; the sample is ``..._
 CACHE_CONFIG_METRIC = "vllm:cache_config_info"
 SUCCESS_METRIC = "vllm:request_success"  # family name; the samples are ``..._total``, one per finish reason
 START_TIME_METRIC = "process_start_time_seconds"  # the API server process: changes when the engine restarts
+# Tokens the engine has processed: with the start time they order two scrapes of one engine process (see
+# gateway.admission.engine.SampleMark)
+TOKEN_METRICS = ("vllm:prompt_tokens", "vllm:generation_tokens")  # family names; the samples are ``..._total``
 
 WANTED_SAMPLES = (
     USAGE_METRIC,
@@ -35,6 +38,7 @@ WANTED_SAMPLES = (
     CACHE_CONFIG_METRIC,
     SUCCESS_METRIC + "_total",
     START_TIME_METRIC,
+    *(name + "_total" for name in TOKEN_METRICS),
 )
 # A sample line of one of them: name, optional {labels} (greedy to the line's last brace, so a brace inside a
 # quoted value is harmless), value; an optional timestamp after it is ignored. Matched after a newline rather
@@ -48,6 +52,7 @@ _SAMPLE_LINE = re.compile(
     + "|".join(map(re.escape, _OTHERS))
     + r")(?:\{(.*)\})?[ \t]+(\S+)"
 )
+_TOKEN_SAMPLES = frozenset(name + "_total" for name in TOKEN_METRICS)
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
 _UNESCAPE = re.compile(r'\\([\\"n])')  # the format's three escapes; any other backslash is kept
 
@@ -67,6 +72,7 @@ class EngineMetrics:
     engines: int
     served: float = 0.0  # vllm:request_success_total over every finish reason
     started_at: float | None = None  # process_start_time_seconds
+    tokens: float | None = None  # prompt + generation tokens processed, over every engine (None: not exposed)
 
 
 def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -96,6 +102,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     block_size: int | None = None
     totals: dict[str, float] = defaultdict(float)
     started_at: float | None = None
+    tokens: float | None = None
     for name, labels, value in samples(text):
         engine = labels.get("engine", "0")
         if name == USAGE_METRIC:
@@ -110,6 +117,8 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
             totals[SUCCESS_METRIC] += value
         elif name == START_TIME_METRIC:
             started_at = value
+        elif name in _TOKEN_SAMPLES:
+            tokens = value + (tokens or 0.0)
         elif name == CACHE_CONFIG_METRIC:
             if _int_label(labels, "num_gpu_blocks") is not None:
                 blocks[engine] = _int_label(labels, "num_gpu_blocks") or 0
@@ -134,6 +143,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         engines=len(per_engine),
         served=totals[SUCCESS_METRIC],
         started_at=started_at,
+        tokens=tokens,
     )
 
 

@@ -112,6 +112,7 @@ class Scraper:
             preemptions=engine.preemptions,
             served=engine.served,
             started_at=engine.started_at,
+            tokens=engine.tokens,
         )
         for subscriber in self.subscribers:
             subscriber.sample(sample)

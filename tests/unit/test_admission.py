@@ -8,7 +8,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gateway.admission.controller import AdmissionController, Admitted, Queued, Rejected, UsageSample
+from gateway.admission.controller import DEFAULT_ENGINE, AdmissionController, Admitted, Queued, Rejected, UsageSample
+from gateway.admission.engine import SampleMark
 from gateway.admission.ledger import ENGINE_LEAD_TOKENS
 from gateway.config import AdmissionConfig
 from gateway.tokens.cost import KvGeometry, RequestCost
@@ -52,6 +53,29 @@ def test_a_sample_that_shows_admitted_work_does_not_count_it_twice() -> None:
     c.apply_sample(UsageSample(usage=0.11, taken_at=0.3))
     # 11 blocks observed + 19 still to grow = the 30 reserved, not 11 + 30.
     assert c.projected_blocks(0, 0.3) == 11 + 30 - 11
+
+
+def test_claims_say_how_much_of_them_which_sample_showed() -> None:
+    """What the other gateway replicas weigh: each reservation whole, the part this replica's last sample shows,
+    and which sample that was; with no sample to rest on (stale, exclusive, or an engine that does not say which
+    moment it shows) there is no mark, and the others count every claim whole."""
+    c = make(exclusive_upstream=False)
+    a = c.submit(rc(30, prompt=16 * 10), "t", 0.1)
+    assert isinstance(a, Admitted)
+    c.progress(a.reservation, 1, 0.2)
+    c.begin_sample()
+    c.apply_sample(UsageSample(usage=0.11, taken_at=0.3, started_at=5.0, tokens=161.0))
+    book = c.engines[DEFAULT_ENGINE]
+    assert book.claims() == {str(a.reservation.id): (30, 11)}
+    assert book.shared_mark(0.3) == SampleMark(5.0, 161.0)
+    assert book.shared_mark(0.3 + c.config.stale_after_s + 0.1) is None  # stale: projections ignore the sample
+    c.begin_sample()
+    c.apply_sample(UsageSample(usage=0.11, taken_at=0.4, started_at=5.0))
+    assert book.shared_mark(0.4) is None  # no token counters: which moment it shows is unknown
+    exclusive = make(exclusive_upstream=True)
+    exclusive.begin_sample()
+    exclusive.apply_sample(UsageSample(usage=0.0, taken_at=0.1, started_at=5.0, tokens=0.0))
+    assert exclusive.engines[DEFAULT_ENGINE].shared_mark(0.1) is None  # the ledgers together are the bound
 
 
 def test_request_admitted_during_a_scrape_is_not_assumed_inside_it() -> None:

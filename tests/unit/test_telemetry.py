@@ -45,12 +45,20 @@ def test_reads_what_prometheus_client_reads_of_real_vllm(name: str) -> None:
         "vllm:num_preemptions_total",
         "vllm:cache_config_info",
         "vllm:request_success_total",  # goes back when the engine restarts
+        "vllm:prompt_tokens_total",  # with the generated ones, orders two samples of one engine process
+        "vllm:generation_tokens_total",
     }
 
 
 def test_the_api_servers_start_time_is_read() -> None:
     # a line-filter that kept only "vllm:" lines dropped it, and restarts were noticed by counters alone
     assert parse_engine_metrics((DATA / "metrics-sample.txt").read_text()).started_at == pytest.approx(1.79532285013e9)
+
+
+def test_the_tokens_processed_mark_the_sample() -> None:
+    """Prompt plus generated tokens: two replicas' samples of one engine process are ordered by it."""
+    m = parse_engine_metrics((DATA / "metrics-sample-saturated.txt").read_text())
+    assert m.tokens == 30831.0 + 4551.0
 
 
 _label_values = st.text(alphabet=st.sampled_from(list('ab{}" =,\\\n\u00e9')), max_size=8)

@@ -1,0 +1,84 @@
+"""The shared engine books' scripts against a real redis-server: how one replica weighs another's claims on an
+engine. A claim counts whole, less the part the claimant's sample showed, and only when the weighing replica's
+own sample is at least as recent (same engine process, at least as many tokens processed): the two replicas
+scrape at different moments, and a part one sample shows may be missing from an older one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gateway.admission.engine import SampleMark
+from gateway.config import RedisConfig
+from gateway.tenants.redis_store import RedisState
+from gateway.tenants.shared_books import RedisEngineBooks
+from tests.redis.conftest import RedisServer
+
+pytestmark = pytest.mark.redis
+
+PROCESS = 1_795_322_850.13  # the engine's process_start_time_seconds
+ENGINE = "http://10.0.0.7:8000"
+
+
+@pytest.fixture
+async def replicas(redis_server: RedisServer) -> AsyncIterator[tuple[RedisEngineBooks, RedisEngineBooks]]:
+    states = [RedisState(RedisConfig(url=redis_server.url, timeout_s=0.5)) for _ in range(2)]
+    for state in states:
+        await state.start()
+        assert state.healthy
+    yield RedisEngineBooks(states[0], lease_s=0.3), RedisEngineBooks(states[1], lease_s=0.3)
+    for state in states:
+        await state.close()
+
+
+async def test_a_claim_is_taken_off_only_by_a_sample_at_least_as_recent(
+    replicas: tuple[RedisEngineBooks, RedisEngineBooks],
+) -> None:
+    a, b = replicas
+    # b holds 30 blocks there, of which its sample at 1,000 tokens processed shows 12
+    assert await b.restate(ENGINE, {"7": (30, 12)}, SampleMark(PROCESS, 1000.0)) == 0
+    seen = {
+        "no sample": await a.restate(ENGINE, {}, None),
+        "older": await a.restate(ENGINE, {}, SampleMark(PROCESS, 999.0)),
+        "the same": await a.restate(ENGINE, {}, SampleMark(PROCESS, 1000.0)),
+        "newer": await a.restate(ENGINE, {}, SampleMark(PROCESS, 4000.0)),
+        "another process": await a.restate(ENGINE, {}, SampleMark(PROCESS + 60, 9000.0)),
+    }
+    assert seen == {"no sample": 30, "older": 30, "the same": 18, "newer": 18, "another process": 30}
+
+
+async def test_a_claim_is_refused_by_what_the_claimants_own_sample_cannot_show(
+    replicas: tuple[RedisEngineBooks, RedisEngineBooks],
+) -> None:
+    """The race the marks close: b's request, admitted after a's last scrape, is decoding in b's newer sample. a
+    may leave the other replicas 18 blocks: from its older sample all 30 are b's to count, and it must wait."""
+    a, b = replicas
+    await b.restate(ENGINE, {"7": (30, 12)}, SampleMark(PROCESS, 1000.0))
+    assert await a.claim(ENGINE, "1", 5, 18, SampleMark(PROCESS, 900.0)) == (False, 30)
+    assert await a.claim(ENGINE, "1", 5, 18, SampleMark(PROCESS, 1000.0)) == (True, 18)
+    # and b now weighs a's new claim whole: nothing of it is in any sample yet
+    assert await b.restate(ENGINE, {}, SampleMark(PROCESS, 5000.0)) == 5
+
+
+async def test_restated_claims_replace_released_and_lapsed_ones_leave(
+    replicas: tuple[RedisEngineBooks, RedisEngineBooks],
+) -> None:
+    a, b = replicas
+    now = SampleMark(PROCESS, 1000.0)
+    await b.restate(ENGINE, {"7": (30, 12), "8": (10, 0)}, now)
+    assert await a.restate(ENGINE, {}, now) == 18 + 10
+    # a later claim of the same member starts with nothing shown; a restate without a mark shows nothing either
+    await b.claim(ENGINE, "7", 30, 1000, now)
+    assert await a.restate(ENGINE, {}, now) == 30 + 10
+    await b.restate(ENGINE, {"7": (30, 20)}, None)
+    assert await a.restate(ENGINE, {}, now) == 30 + 10
+    await b.restate(ENGINE, {"7": (30, 20)}, now, everything=True)  # "8" is no longer listed: it goes
+    assert await a.restate(ENGINE, {}, now) == 10
+    await b.restate(ENGINE, {"7": (0, 0)}, now)  # released
+    assert await a.restate(ENGINE, {}, now) == 0
+    await b.restate(ENGINE, {"9": (40, 16)}, now)
+    assert await a.restate(ENGINE, {}, now) == 24
+    await asyncio.sleep(0.5)  # b stopped restating (it died): its lease runs out
+    assert await a.restate(ENGINE, {}, now) == 0
