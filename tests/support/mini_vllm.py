@@ -51,6 +51,7 @@ class State:
     started: list[float] = field(default_factory=list)
     busy_rejections: int = 0
     seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, raw target, x-request-id), no /debug/
+    process_started: float = field(default_factory=time.time)  # vLLM's process_start_time_seconds
 
     def used_blocks(self) -> int:
         return sum(math.ceil((a.prompt + a.generated) / self.block_size) for a in self.active.values())
@@ -178,6 +179,8 @@ async def metrics(request: web.Request) -> web.Response:
     labels = f'engine="0",model_name="{st.model}"'
     usage = st.used_blocks() / st.num_blocks
     lines = [
+        "# TYPE process_start_time_seconds gauge",
+        f"process_start_time_seconds {st.process_started}",
         "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
         "# TYPE vllm:kv_cache_usage_perc gauge",
         f"vllm:kv_cache_usage_perc{{{labels}}} {usage}",

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from gateway.admission.admitter import Admitter
 from gateway.admission.controller import AdmissionController, UsageSample
+from gateway.admission.engine import SampleMark
 from gateway.admission.queue import QueueClass
 from gateway.config import AdmissionConfig, RedisConfig
 from gateway.metrics import GatewayMetrics
@@ -227,3 +228,46 @@ async def test_a_waiter_granted_then_cancelled_before_it_wakes_is_counted_once_e
         await waiter
     assert len(admitter.controller.ledger) == 0
     assert _admitted_and_released(admitter) == (2.0, 2.0)
+
+
+class RecordingBooks:
+    """Shared engine books that grant every claim and record what the admitter told them."""
+
+    def __init__(self) -> None:
+        self.claims: list[tuple[str, int, SampleMark | None]] = []
+        self.restates: list[tuple[dict[str, tuple[int, int]], SampleMark | None, bool]] = []
+
+    async def claim(
+        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None
+    ) -> tuple[bool, int] | None:
+        self.claims.append((member, blocks, mark))
+        return True, 0
+
+    async def restate(
+        self, engine: str, held: dict[str, tuple[int, int]], mark: SampleMark | None, everything: bool = False
+    ) -> int | None:
+        self.restates.append((held, mark, everything))
+        return 0
+
+
+async def test_claims_carry_the_sample_they_were_weighed_against() -> None:
+    """What the other replicas need to weigh this one's claims: each claim and restate names the sample this
+    replica's view rests on, and a restate after a sample says how much of each reservation that sample shows."""
+    books = RecordingBooks()
+    clock = Clock()
+    controller = AdmissionController(AdmissionConfig(exclusive_upstream=False), KvGeometry(16, 100))
+    admitter = Admitter(controller, GatewayMetrics(), clock, shared=books)
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.0, 0.0, started_at=7.0, tokens=500.0))
+    admission = await admitter.acquire(RequestCost((160,), 1, 160, 20), "t")
+    res = admission.reservation
+    assert books.claims == [(str(res.id), 20, SampleMark(7.0, 500.0))]
+    admitter.progress(res, 1)  # its first token: prompt (10 blocks) and one token are in the engine from now on
+    clock.now = 0.5
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.11, 0.5, started_at=7.0, tokens=661.0))
+    await asyncio.sleep(0)  # the restate runs in the background
+    assert books.restates[-1] == ({str(res.id): (20, 11)}, SampleMark(7.0, 661.0), True)
+    admitter.release(res, "ok")
+    await asyncio.sleep(0)
+    assert books.restates[-1] == ({str(res.id): (0, 0)}, SampleMark(7.0, 661.0), False)
