@@ -42,7 +42,7 @@ class SampleMark:
     their clocks: the engine's process (its start time) and the tokens it had processed by then. Every step
     that grows a request's blocks past what its client has been sent counts tokens before the client hears of
     them, so a sample of the same process whose count is at least another's shows everything the other showed
-    of every request still running (the shared books' scripts compare them so)."""
+    of every request still running and not preempted since (the shared books' scripts compare them so)."""
 
     process: float
     tokens: float

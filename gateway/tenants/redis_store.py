@@ -131,11 +131,13 @@ return #KEYS
 
 # Blocks in flight on one engine, per reservation of every replica. KEYS[1]: a sorted set (member -> lease expiry,
 # ms, Redis time); KEYS[2]: a hash (member -> the reservation's blocks); KEYS[3]: a hash (member -> "shown
-# process tokens": how many of those blocks the claimant's last sample of the engine shows, and which sample
-# that was: the engine's process start time and the tokens it had processed). Members are
-# "<replica>:<reservation>". ``others`` sums the other replicas' unexpired members as a sample of the engine
-# (``process``, ``tokens``; process '' for none) sees them: less what they showed of themselves in a sample no
-# newer than that one (the engine's counters order its samples), whole otherwise.
+# process tokens [shown tokens]": how many of those blocks the claimant's last sample of the engine shows, and
+# which sample that was: the engine's process start time and the tokens it had processed; then the same of the
+# sample before, if of the same process). Members are "<replica>:<reservation>". ``others`` sums the other
+# replicas' unexpired members as a sample of the engine (``process``, ``tokens``; process '' for none) sees
+# them: less what they showed of themselves in the latest of their samples no newer than that one (the
+# engine's counters order its samples), whole if none is. The sample before is there because the replicas'
+# scrapes interleave: half the time the other's latest is newer than this one's, its previous one older.
 _OTHERS = """
 local function others(leases, blocks, sampled, prefix, now, process, tokens)
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
@@ -157,8 +159,14 @@ local function others(leases, blocks, sampled, prefix, now, process, tokens)
       local held = tonumber(all[i + 1])
       local seen = shown[member]
       if seen then
-        local n, p, t = string.match(seen, '^(%S+) (%S+) (%S+)$')
-        if p == process and tonumber(t) <= tokens then held = held - tonumber(n) end
+        local n, p, t, pn, pt = string.match(seen, '^(%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
+        if p == process then
+          if tonumber(t) <= tokens then
+            held = held - tonumber(n)
+          elseif pn ~= '' and tonumber(pt) <= tokens then
+            held = held - tonumber(pn)
+          end
+        end
       end
       sum = sum + held
     end
@@ -215,7 +223,17 @@ for i = 6, #ARGV, 3 do
     redis.call('ZADD', KEYS[1], now + lease, member)
     redis.call('HSET', KEYS[2], member, blocks)
     if shown > 0 and process ~= '' then
-      redis.call('HSET', KEYS[3], member, shown .. ' ' .. process .. ' ' .. ARGV[5])
+      local entry = shown .. ' ' .. process .. ' ' .. ARGV[5]
+      local before = redis.call('HGET', KEYS[3], member)
+      if before then  -- keep the sample before this one (or, restated at the same sample, the one before that)
+        local n, p, t, pn, pt = string.match(before, '^(%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
+        if p == process and tonumber(t) < tokens then
+          entry = entry .. ' ' .. n .. ' ' .. t
+        elseif p == process and pn ~= '' then
+          entry = entry .. ' ' .. pn .. ' ' .. pt
+        end
+      end
+      redis.call('HSET', KEYS[3], member, entry)
     else
       redis.call('HDEL', KEYS[3], member)
     end

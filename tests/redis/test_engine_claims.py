@@ -49,6 +49,21 @@ async def test_a_claim_is_taken_off_only_by_a_sample_at_least_as_recent(
     assert seen == {"no sample": 30, "older": 30, "the same": 18, "newer": 18, "another process": 30}
 
 
+async def test_a_sample_between_two_of_the_claimants_takes_off_what_the_earlier_one_showed(
+    replicas: tuple[RedisEngineBooks, RedisEngineBooks],
+) -> None:
+    """The replicas' scrapes interleave: half the time the other's latest sample is newer than this one's, and
+    its sample before that older. What that older one showed is still shown (the request only grew since)."""
+    a, b = replicas
+    await b.restate(ENGINE, {"7": (30, 12)}, SampleMark(PROCESS, 1000.0))
+    await b.restate(ENGINE, {"7": (30, 20)}, SampleMark(PROCESS, 2000.0))
+    await b.restate(ENGINE, {"7": (30, 20)}, SampleMark(PROCESS, 2000.0))  # the same sample again: no loss
+    seen = [await a.restate(ENGINE, {}, SampleMark(PROCESS, tokens)) for tokens in (900.0, 1500.0, 2000.0)]
+    assert seen == [30, 30 - 12, 30 - 20]
+    await b.restate(ENGINE, {"7": (30, 25)}, SampleMark(PROCESS + 60, 10.0))  # the engine restarted
+    assert await a.restate(ENGINE, {}, SampleMark(PROCESS, 2000.0)) == 30
+
+
 async def test_a_claim_is_refused_by_what_the_claimants_own_sample_cannot_show(
     replicas: tuple[RedisEngineBooks, RedisEngineBooks],
 ) -> None:
