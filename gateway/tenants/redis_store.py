@@ -139,6 +139,17 @@ return #KEYS
 # engine's counters order its samples), whole if none is. The sample before is there because the replicas'
 # scrapes interleave: half the time the other's latest is newer than this one's, its previous one older.
 _OTHERS = """
+local function parse_shown(entry)  -- shown, process, tokens, and the sample before's shown, tokens ('' if none)
+  return string.match(entry, '^(%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
+end
+-- What a member showed in the latest of its samples no newer than (process, tokens); 0 if none is.
+local function shown_by(entry, process, tokens)
+  local n, p, t, pn, pt = parse_shown(entry)
+  if p ~= process then return 0 end
+  if tonumber(t) <= tokens then return tonumber(n) end
+  if pn ~= '' and tonumber(pt) <= tokens then return tonumber(pn) end
+  return 0
+end
 local function others(leases, blocks, sampled, prefix, now, process, tokens)
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
   for _, member in ipairs(expired) do  -- one by one: unpack() has a limit, and a dead replica may leave many
@@ -157,17 +168,7 @@ local function others(leases, blocks, sampled, prefix, now, process, tokens)
     local member = all[i]
     if string.sub(member, 1, #prefix) ~= prefix then
       local held = tonumber(all[i + 1])
-      local seen = shown[member]
-      if seen then
-        local n, p, t, pn, pt = string.match(seen, '^(%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
-        if p == process then
-          if tonumber(t) <= tokens then
-            held = held - tonumber(n)
-          elseif pn ~= '' and tonumber(pt) <= tokens then
-            held = held - tonumber(pn)
-          end
-        end
-      end
+      if shown[member] then held = held - shown_by(shown[member], process, tokens) end
       sum = sum + held
     end
   end
@@ -226,7 +227,7 @@ for i = 6, #ARGV, 3 do
       local entry = shown .. ' ' .. process .. ' ' .. ARGV[5]
       local before = redis.call('HGET', KEYS[3], member)
       if before then  -- keep the sample before this one (or, restated at the same sample, the one before that)
-        local n, p, t, pn, pt = string.match(before, '^(%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
+        local n, p, t, pn, pt = parse_shown(before)
         if p == process and tonumber(t) < tokens then
           entry = entry .. ' ' .. n .. ' ' .. t
         elseif p == process and pn ~= '' then

@@ -10,9 +10,9 @@ out.
 A claim is counted whole, less what the engine's metrics already show of it; but the replicas scrape the
 engine at different moments. A request admitted by one replica after another's last scrape, and seen
 decoding by its own, is in neither that other replica's sample nor, had it been taken off, its claim. So each
-restated claim says which sample showed how much of it (:class:`gateway.admission.engine.SampleMark`), and
-a replica takes that part off only when its own sample is at least as recent; otherwise it counts the claim
-whole, and a newer sample of its own makes the sum precise again.
+restated claim says which of the claimant's last two samples showed how much of it
+(:class:`gateway.admission.engine.SampleMark`), and a replica takes off what the latest of them no newer than
+its own sample showed; if both are newer it counts the claim whole, until a newer sample of its own.
 
 The admission core sees this only through :class:`gateway.admission.admitter.SharedBooks`: Redis down means
 "unknown", and admission goes on locally.
