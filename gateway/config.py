@@ -159,9 +159,11 @@ class AdmissionConfig(_Model):
     stale_ledger_cap: float = Field(0.75, gt=0, le=1)
     exclusive_upstream: bool = Field(
         True,
-        description="All traffic to the engine goes through this gateway (sidecar): the ledger then bounds "
+        description="All traffic to the engine goes through this gateway (sidecar), or through this gateway's "
+        "replicas sharing their engine books in Redis (redis.share_engine_reservations): the ledgers then bound "
         "usage from above (prompts priced without the tokenizer: in sum over the requests in flight), which lets "
-        "the gateway admit as soon as a request ends instead of a scrape later.",
+        "the gateway admit as soon as a request ends instead of a scrape later. Replicas whose shared books "
+        "cannot answer (Redis down) go by the engine's samples meanwhile.",
     )
     growth_model: Literal["lockstep", "worst_case"] = Field(
         "lockstep",

@@ -139,7 +139,8 @@ class Admitter:
         except BaseException:
             self.release(res, "client_disconnect")
             raise
-        if answer is None:  # the shared books cannot say: this replica's own view decides
+        if answer is None:  # the shared books cannot say: this replica's own view decides, with the sample's
+            book.others_blocks = None
             return True
         claimed, others = answer
         book.others_blocks = others
@@ -266,7 +267,7 @@ class Admitter:
         book = self.controller.engines.get(engine)
         mark = None if book is None else book.shared_mark(self.clock())
         others = await self.shared.restate(engine, held, mark, everything)
-        if others is not None and book is not None:
+        if book is not None:
             book.others_blocks = others
 
     def _restate_later(self, engine: str) -> None:

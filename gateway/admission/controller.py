@@ -165,9 +165,16 @@ def teaches(res: Reservation) -> bool:
 
 class AdmissionController:
     def __init__(
-        self, config: AdmissionConfig, geometry: KvGeometry | None = None, engines: tuple[str, ...] = (DEFAULT_ENGINE,)
+        self,
+        config: AdmissionConfig,
+        geometry: KvGeometry | None = None,
+        engines: tuple[str, ...] = (DEFAULT_ENGINE,),
+        shared_books: bool = False,
     ) -> None:
+        """``shared_books``: other gateway replicas admit to these engines too, and say what they hold through
+        shared books (the admitter's); until they do, no engine's ledger is taken as a bound."""
         self.config = config
+        self.shared_books = shared_books
         self.queue = AdmissionQueue(config.queue_max_length, config.queue_max_bytes)
         self.geometry_override = geometry  # the operator's: every engine is taken to have this pool
         self.engines: dict[str, EngineBook] = {}
@@ -188,7 +195,7 @@ class AdmissionController:
         """An engine joins (or one that was leaving comes back)."""
         book = self.engines.get(name)
         if book is None:
-            book = self.engines[name] = EngineBook(name, self.config, self.geometry_override)
+            book = self.engines[name] = EngineBook(name, self.config, self.geometry_override, self.shared_books)
         book.leaving = False
         return book
 

@@ -7,7 +7,9 @@ the engine may hold if we admit this request:
 * ``A`` = the last sample + the ledger's outstanding blocks (requests admitted since that sample, and the
   output that in-flight requests may still grow into) + this request;
 * when the gateway is the engine's only client (``exclusive_upstream``), also ``B`` = every block the ledger
-  has reserved + this request, a hard upper bound that, unlike ``A``, drops the moment a request ends.
+  has reserved + this request, a hard upper bound that, unlike ``A``, drops the moment a request ends. Gateway
+  replicas that share their books (Redis) are one client: ``B`` then adds the other replicas' claims, whole,
+  and while the shared books cannot say what those are, ``B`` is no bound and ``A`` decides.
 
 A request fits when the gate is open and ``min(A, B) <= high x total``. With stale metrics the ``ledger``
 policy admits against ``B`` alone under a lower cap; ``hold`` admits nothing.
@@ -88,7 +90,9 @@ class SampleVerdict:
 
 
 class EngineBook:
-    def __init__(self, name: str, config: AdmissionConfig, geometry: KvGeometry | None = None) -> None:
+    def __init__(
+        self, name: str, config: AdmissionConfig, geometry: KvGeometry | None = None, shared: bool = False
+    ) -> None:
         self.name = name
         self.config = config
         self.gate = HysteresisGate(config.high_watermark, config.low_watermark)
@@ -96,7 +100,9 @@ class EngineBook:
         self.ledger = Ledger(geometry.block_size if geometry else 16)
         self.sample: UsageSample | None = None
         self._geometry_pinned = geometry is not None
-        self.others_blocks = 0  # other gateway replicas' blocks here that the last sample may not show
+        # Other gateway replicas' blocks here that the last sample may not show: None while the shared books
+        # (``shared``) have not said, or cannot say now; always 0 for a gateway that shares no books.
+        self.others_blocks: int | None = None if shared else 0
         self.leaving = False  # gone from discovery: nothing new is placed here; dropped once its ledger is empty
         self.ejected_until: float | None = None
         self.rejoined_at: float | None = None
@@ -178,15 +184,16 @@ class EngineBook:
         if self.geometry is None:
             return None
         ledger = self.ledger
+        others = self.others_blocks or 0
         if self.is_stale(now):  # no fresh picture of the engine: trust nothing but whole reservations
-            stale = ledger.reserved_blocks + extra_blocks + self.others_blocks
+            stale = ledger.reserved_blocks + extra_blocks + others
             return stale if self.config.stale_policy == "ledger" else None
         if self.config.growth_model == "lockstep":
             ours = ledger.peak_blocks(slack_blocks=int(BOUND_SLACK * self.geometry.num_blocks))
         else:
             ours = ledger.reserved_blocks
-        bound = ours + extra_blocks + self.others_blocks
-        if self.config.exclusive_upstream:
+        bound = ours + extra_blocks + others
+        if self.config.exclusive_upstream and self.others_blocks is not None:
             return bound
         assert self.sample is not None
         # Whatever the sample shows beyond what we know to be ours belongs to someone else.
@@ -211,7 +218,7 @@ class EngineBook:
         if projected is None or self.geometry is None:
             return 0
         cap = self.config.stale_ledger_cap if self.is_stale(now) else self.config.high_watermark
-        return int(cap * self.geometry.num_blocks) - (projected - self.others_blocks)
+        return int(cap * self.geometry.num_blocks) - (projected - (self.others_blocks or 0))
 
     def shared_mark(self, now: float) -> SampleMark | None:
         """The sample this replica's projections rest on, as the other replicas' claims are weighed against it:

@@ -72,7 +72,7 @@ class Gateway:
             if redis is not None and config.redis.share_engine_reservations
             else None
         )
-        self.controller = AdmissionController(config.admission, override, engines=())
+        self.controller = AdmissionController(config.admission, override, engines=(), shared_books=shared is not None)
         self.admitter = Admitter(self.controller, self.metrics, clock, shared)
         self.session = UpstreamSession(config.upstream.max_connections)
         self.pool = EnginePool(

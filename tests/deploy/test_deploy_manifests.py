@@ -265,7 +265,9 @@ def test_standalone_gateways_share_redis_and_fence_the_engine(rendered: dict[str
     engine = one(docs, "Deployment", "vllm")
     assert set(containers(engine)) == {"vllm"}, "the standalone engine pod carries no sidecar"
     cfg = policy(docs)
-    assert cfg["admission"]["exclusive_upstream"] is False, "N replicas share the engine: no ledger sees all"
+    # The replicas are the fenced engine's only clients and share their claims: their ledgers bound it together.
+    assert cfg["admission"]["exclusive_upstream"] is True
+    assert cfg["redis"].get("share_engine_reservations", True) is True, "one replica's ledger alone bounds nothing"
     for url, default_port in ((cfg["upstream"]["url"], 80), (cfg["redis"]["url"], 6379)):
         parts = urlsplit(url)
         svc = one(docs, "Service", str(parts.hostname))
@@ -325,7 +327,8 @@ def test_pool_discovers_the_engines_through_a_headless_service(rendered: dict[st
     assert float(env["PRESTOP_MIN_WAIT_S"]) >= discovery["interval_s"] + DNS_TTL_S
     # The gateways' Redis and the fence around the engines, as in the standalone layout.
     cfg = policy(docs)
-    assert cfg["admission"]["exclusive_upstream"] is False
+    assert cfg["admission"]["exclusive_upstream"] is True
+    assert cfg["redis"].get("share_engine_reservations", True) is True
     redis = urlsplit(cfg["redis"]["url"])
     assert (redis.port or 6379) in {p["port"] for p in one(docs, "Service", str(redis.hostname))["spec"]["ports"]}
     assert cfg["redis"]["replicas"] == gw["spec"]["replicas"]

@@ -19,12 +19,13 @@ from tests.support.rawhttp import burst
 pytestmark = [pytest.mark.redis, pytest.mark.e2e]
 
 
-def config(redis_url: str, share: bool) -> dict[str, object]:
+def config(redis_url: str, share: bool, exclusive: bool = False) -> dict[str, object]:
+    """``exclusive``: the replicas, together, are the engine's only client (their claims and ledgers bound it);
+    else the sample is the truth, plus what is claimed."""
     return {
         "tokenizer": "heuristic",
         "telemetry": {"scrape_interval_s": 1.0},
-        # several replicas: none is the engine's only client, the sample is the truth plus what is claimed
-        "admission": {"exclusive_upstream": False, "stale_after_s": 5.0},
+        "admission": {"exclusive_upstream": exclusive, "stale_after_s": 5.0},
         "redis": {"url": redis_url, "replicas": 2, "timeout_s": 0.5, "share_engine_reservations": share},
     }
 
@@ -42,12 +43,16 @@ def fire_split(replicas: list[str], reqs: list[dict[str, object]]) -> list[int]:
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("share", [False, True], ids=["each-replica-alone", "shared-books"])
+@pytest.mark.parametrize(
+    ("share", "exclusive"),
+    [(False, False), (True, False), (True, True)],
+    ids=["each-replica-alone", "shared-books", "shared-books-only-clients"],
+)
 def test_two_replicas_bursting_into_one_engine_between_two_scrapes(
-    redis_server: RedisServer, mini_vllm: Callable[..., str], gateway: Callable[..., str], share: bool
+    redis_server: RedisServer, mini_vllm: Callable[..., str], gateway: Callable[..., str], share: bool, exclusive: bool
 ) -> None:
     upstream = mini_vllm(num_blocks=NUM_BLOCKS, block_size=BLOCK, token_delay_ms=2)
-    replicas = [gateway(upstream, config(redis_server.url, share)) for _ in range(2)]
+    replicas = [gateway(upstream, config(redis_server.url, share, exclusive)) for _ in range(2)]
     statuses = fire_split(replicas, bodies(240))
     assert statuses and all(s == 200 for s in statuses), sorted(set(statuses))
     peak = httpx.get(upstream + "/debug/stats").json()["peak_blocks"]
@@ -57,7 +62,10 @@ def test_two_replicas_bursting_into_one_engine_between_two_scrapes(
             metric_sum(scrape(url), "kvgate_reservations_released_total", outcome="claim_refused", default=0)
             for url in replicas
         )
-        print(f"\n[shared books] peak {peak} of {NUM_BLOCKS} blocks (cap {HIGH_BLOCKS}); {claims:.0f} claims refused")
+        print(
+            f"\n[shared books, exclusive {exclusive}] peak {peak} of {NUM_BLOCKS} blocks (cap {HIGH_BLOCKS});"
+            f" {claims:.0f} claims refused"
+        )
     else:
         assert peak > HIGH_BLOCKS, peak  # the premise: alone, each replica fills the engine on its own account
     # a claim refused and placed again is one placement: one per request served, over both replicas

@@ -271,3 +271,58 @@ async def test_claims_carry_the_sample_they_were_weighed_against() -> None:
     admitter.release(res, "ok")
     await asyncio.sleep(0)
     assert books.restates[-1] == ({str(res.id): (0, 0)}, SampleMark(7.0, 661.0), False)
+
+
+class AnsweringBooks(RecordingBooks):
+    """Shared engine books whose other replicas hold ``others`` blocks, or that cannot say (None: Redis down)."""
+
+    def __init__(self, others: int | None) -> None:
+        super().__init__()
+        self.others = others
+
+    async def claim(
+        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None
+    ) -> tuple[bool, int] | None:
+        await super().claim(engine, member, blocks, limit, mark)
+        return None if self.others is None else (self.others <= limit, self.others)
+
+    async def restate(
+        self, engine: str, held: dict[str, tuple[int, int]], mark: SampleMark | None, everything: bool = False
+    ) -> int | None:
+        await super().restate(engine, held, mark, everything)
+        return self.others
+
+
+async def test_replicas_sharing_books_bound_the_engine_together_and_the_sample_decides_when_they_cannot() -> None:
+    """exclusive_upstream with shared books: the replicas are the engine's one client, so the other replicas'
+    claims plus this one's ledger bound the engine, and room the sample still shows taken (a request of another
+    replica that has ended since) is used at once. While the shared books cannot say, the sample decides, as
+    for a gateway that is not the only client: nothing this replica cannot see is assumed gone."""
+    books = AnsweringBooks(None)
+    clock = Clock()
+    controller = AdmissionController(AdmissionConfig(), KvGeometry(16, 100), shared_books=True)
+    admitter = Admitter(controller, GatewayMetrics(), clock, shared=books)
+    book = next(iter(controller.engines.values()))
+    assert book.others_blocks is None  # nothing said yet: not even "nobody else"
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.5, 0.0))  # another replica's 50 blocks, as of this sample
+    await asyncio.sleep(0)  # the restate after the sample runs in the background, and cannot say
+    assert book.others_blocks is None
+    assert book.projected_blocks(45, clock()) == 95  # the sample's 50, plus this request: over 90
+    with pytest.raises(GatewayError):
+        await admitter.acquire(rc(45), "t", max_wait_s=0)
+    books.others = 10  # the books answer: the other replica holds only 10 blocks now
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.5, 0.1))
+    await asyncio.sleep(0)
+    assert book.others_blocks == 10
+    admission = await admitter.acquire(rc(45), "t", max_wait_s=0)  # 10 + 45, whatever the sample says
+    assert books.claims[-1][2] is None  # and claimed whole: the replicas' ledgers together are the bound
+    books.others = None  # Redis goes away: the claim cannot be checked, and the next decision is the sample's
+    assert book.projected_blocks(30, clock()) == 10 + 45 + 30
+    second = await admitter.acquire(rc(30), "t", max_wait_s=1)  # claimed blind, by its own view of the time
+    assert book.others_blocks is None
+    assert book.projected_blocks(10, clock()) == 50 + 45 + 30 + 10
+    for a in (admission, second):
+        admitter.release(a.reservation, "ok")
+    assert len(book.ledger) == 0
