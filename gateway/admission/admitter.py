@@ -40,14 +40,23 @@ class SharedBooks(Protocol):
     cannot say right now."""
 
     async def claim(
-        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None
-    ) -> tuple[bool, int] | None: ...
+        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
+    ) -> tuple[bool, int] | None:
+        """Claim ``blocks`` if the other replicas' (with their requests queued longer than ``waited_s``) fit
+        under ``limit``: (claimed, theirs)."""
+        ...
 
     async def restate(
-        self, engine: str, held: dict[str, tuple[int, int]], mark: SampleMark | None, everything: bool = False
+        self,
+        engine: str,
+        held: dict[str, tuple[int, int]],
+        mark: SampleMark | None,
+        everything: bool = False,
+        waiting: tuple[float, int] | None = None,
     ) -> int | None:
         """Set this replica's claims on ``engine``, (blocks, of which ``mark``'s sample shows) each (0 blocks
-        removes one; ``everything``: unlisted ones go too)."""
+        removes one; ``everything``: unlisted ones go too), and what its oldest queued request has waited and
+        needs (``waiting``, None for none)."""
         ...
 
 
@@ -118,15 +127,16 @@ class Admitter:
         while True:
             remaining = max(0.0, budget - (self.clock() - started))
             admission = await self._acquire_here(cost, tenant, remaining, qclass, body_bytes, key, retry, prefix)
-            if self.shared is None or await self._claimed(admission.reservation):
+            if self.shared is None or await self._claimed(admission.reservation, self.clock() - started):
                 self.controller.placed(admission.reservation)
                 return admission
             self.release(admission.reservation, "claim_refused")
             retry = True
 
-    async def _claimed(self, res: Reservation) -> bool:
-        """Claim ``res``'s blocks in the shared books; False if the other replicas hold too much there now. A
-        cancellation meanwhile gives the reservation back (and the claim, if it was made)."""
+    async def _claimed(self, res: Reservation, waited_s: float) -> bool:
+        """Claim ``res``'s blocks in the shared books; False if the other replicas hold too much there now, or
+        requests queued there for longer than ``waited_s`` need the room. A cancellation meanwhile gives the
+        reservation back (and the claim, if it was made)."""
         assert self.shared is not None
         book = self.controller.engines.get(res.engine)
         if book is None:
@@ -134,7 +144,7 @@ class Admitter:
         try:
             now = self.clock()
             answer = await self.shared.claim(
-                res.engine, str(res.id), res.blocks, book.room_for_others(now), book.shared_mark(now)
+                res.engine, str(res.id), res.blocks, book.room_for_others(now), book.shared_mark(now), waited_s
             )
         except BaseException:
             self.release(res, "client_disconnect")
@@ -265,10 +275,13 @@ class Admitter:
     async def _restate(self, engine: str, held: dict[str, tuple[int, int]], everything: bool = False) -> None:
         assert self.shared is not None
         book = self.controller.engines.get(engine)
-        mark = None if book is None else book.shared_mark(self.clock())
-        others = await self.shared.restate(engine, held, mark, everything)
+        now = self.clock()
+        mark = None if book is None else book.shared_mark(now)
+        others = await self.shared.restate(engine, held, mark, everything, self.controller.oldest_waiting(now))
         if book is not None:
-            book.others_blocks = others
+            before, book.others_blocks = book.others_blocks, others
+            if others is not None and (before is None or others < before):
+                self.pump()  # the other replicas freed room: the queue here hears of it now, not a sample later
 
     def _restate_later(self, engine: str) -> None:
         if self.shared is not None and engine not in self._restating:

@@ -426,6 +426,12 @@ class AdmissionController:
             admitted.append((head, res))
         return admitted
 
+    def oldest_waiting(self, now: float) -> tuple[float, int] | None:
+        """The request at the head of the queue, the next to be admitted: (seconds it has waited, its blocks);
+        None with nothing queued. Other gateway replicas let it go before their younger requests."""
+        head = self.queue.peek()
+        return None if head is None else (now - head.enqueued_at, head.cost.blocks)
+
     def expire(self, now: float) -> list[Ticket]:
         return self.queue.expired(now)
 

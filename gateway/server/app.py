@@ -67,8 +67,11 @@ class Gateway:
             config.redis, self.metrics, clock, default_max_waiters=config.admission.queue_max_length
         )
         redis = self.counters.redis
+        # a replica restates its queue after every scrape of an engine, good or failed: four missed, it is gone
+        telemetry = config.telemetry
+        waiting_ttl_s = 4 * telemetry.scrape_interval_s + telemetry.scrape_timeout_s
         shared = (
-            RedisEngineBooks(redis, config.redis.reservation_lease_s)
+            RedisEngineBooks(redis, config.redis.reservation_lease_s, waiting_ttl_s)
             if redis is not None and config.redis.share_engine_reservations
             else None
         )

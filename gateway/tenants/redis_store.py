@@ -138,6 +138,11 @@ return #KEYS
 # them: less what they showed of themselves in the latest of their samples no newer than that one (the
 # engine's counters order its samples), whole if none is. The sample before is there because the replicas'
 # scrapes interleave: half the time the other's latest is newer than this one's, its previous one older.
+# KEYS[4]: a hash (replica prefix -> "since blocks expiry": its oldest queued request, waiting since ``since``, ms
+# Redis time, needs ``blocks``; the entry lapses at ``expiry``). Another replica's queued request that has
+# waited longer than ``mine`` (ms Redis time; this replica's oldest waiting request, or the one it claims
+# for) counts as held: the engines serve the replicas' queues oldest first, as one queue, rather than each
+# replica refilling the room its own requests free.
 _OTHERS = """
 local function parse_shown(entry)  -- shown, process, tokens, and the sample before's shown, tokens ('' if none)
   return string.match(entry, '^(%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
@@ -149,6 +154,19 @@ local function shown_by(entry, process, tokens)
   if tonumber(t) <= tokens then return tonumber(n) end
   if pn ~= '' and tonumber(pt) <= tokens then return tonumber(pn) end
   return 0
+end
+local function older_heads(waiting, prefix, now, mine)
+  local sum = 0
+  local all = redis.call('HGETALL', waiting)
+  for i = 1, #all, 2 do
+    local since, need, expiry = string.match(all[i + 1], '^(%S+) (%S+) (%S+)$')
+    if tonumber(expiry) <= now then
+      redis.call('HDEL', waiting, all[i])
+    elseif all[i] ~= prefix and tonumber(since) < mine then
+      sum = sum + tonumber(need)
+    end
+  end
+  return sum
 end
 local function others(leases, blocks, sampled, prefix, now, process, tokens)
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
@@ -181,18 +199,22 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# Claim ``blocks`` for a new reservation if the other replicas' blocks, as this replica's sample sees them, fit
-# under ``limit`` (what this replica's own projection leaves for them). ARGV: prefix, member, blocks, limit,
-# lease ms, process, tokens. Returns {claimed, others}.
+# Claim ``blocks`` for a new reservation if the other replicas' blocks, as this replica's sample sees them, and
+# their requests queued for longer than this one fit under ``limit`` (what this replica's own projection
+# leaves for them). ARGV: prefix, member, blocks, limit, lease ms, process, tokens, ms this request has waited.
+# A claim granted clears this replica's waiting entry (its next restate says what waits now). Returns
+# {claimed, others}.
 _CLAIM = (
     _OTHERS
     + """
 local prefix, member, blocks, limit, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local sum = others(KEYS[1], KEYS[2], KEYS[3], prefix, now, ARGV[6], tonumber(ARGV[7]))
+sum = sum + older_heads(KEYS[4], prefix, now, now - tonumber(ARGV[8]))
 if sum > limit then return {0, sum} end
 redis.call('ZADD', KEYS[1], now + lease, member)
 redis.call('HSET', KEYS[2], member, blocks)
 redis.call('HDEL', KEYS[3], member)
+redis.call('HDEL', KEYS[4], prefix)
 expire(lease)
 return {1, sum}
 """
@@ -200,12 +222,23 @@ return {1, sum}
 
 # Restate this replica's members: leases renewed, and how much of each its latest sample (process, tokens)
 # shows; 0 blocks removes one. ARGV: prefix, lease ms, everything (1: this replica's members not listed are
-# removed too), process, tokens, then member, blocks, shown triples. Returns the other replicas' sum.
+# removed too), process, tokens, its oldest queued request ("waited-ms blocks ttl-ms", or '' for none: its
+# waiting entry is set to it), then member, blocks, shown triples. Returns the other replicas' sum, with their
+# requests queued for longer than this replica's oldest (or than a request arriving now).
 _RESTATE = (
     _OTHERS
     + """
 local prefix, lease, everything = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local process, tokens = ARGV[4], tonumber(ARGV[5])
+local mine = now
+local waited, need, ttl = string.match(ARGV[6], '^(%S+) (%S+) (%S+)$')
+if waited then
+  mine = now - tonumber(waited)
+  redis.call('HSET', KEYS[4], prefix, mine .. ' ' .. need .. ' ' .. (now + tonumber(ttl)))
+  redis.call('PEXPIRE', KEYS[4], tonumber(ttl) * 2)
+else
+  redis.call('HDEL', KEYS[4], prefix)
+end
 local function remove(member)
   redis.call('ZREM', KEYS[1], member)
   redis.call('HDEL', KEYS[2], member)
@@ -213,12 +246,12 @@ local function remove(member)
 end
 if everything then
   local listed = {}
-  for i = 6, #ARGV, 3 do listed[ARGV[i]] = true end
+  for i = 7, #ARGV, 3 do listed[ARGV[i]] = true end
   for _, member in ipairs(redis.call('HKEYS', KEYS[2])) do
     if string.sub(member, 1, #prefix) == prefix and not listed[member] then remove(member) end
   end
 end
-for i = 6, #ARGV, 3 do
+for i = 7, #ARGV, 3 do
   local member, blocks, shown = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   if blocks > 0 then
     redis.call('ZADD', KEYS[1], now + lease, member)
@@ -243,7 +276,7 @@ for i = 6, #ARGV, 3 do
   end
 end
 expire(lease)
-return others(KEYS[1], KEYS[2], KEYS[3], prefix, now, process, tokens)
+return others(KEYS[1], KEYS[2], KEYS[3], prefix, now, process, tokens) + older_heads(KEYS[4], prefix, now, mine)
 """
 )
 
@@ -407,12 +440,21 @@ class RedisState:
     # --- blocks in flight per engine, shared by the replicas -----------------------------------------
 
     def _engine_keys(self, engine: str) -> list[str]:
-        return [self.key(kind, engine) for kind in ("engine-leases", "engine-blocks", "engine-sampled")]
+        kinds = ("engine-leases", "engine-blocks", "engine-sampled", "engine-waiting")
+        return [self.key(kind, engine) for kind in kinds]
 
     async def claim_blocks(
-        self, engine: str, member: str, blocks: int, limit: int, lease_s: float, mark: tuple[float, float] | None
+        self,
+        engine: str,
+        member: str,
+        blocks: int,
+        limit: int,
+        lease_s: float,
+        mark: tuple[float, float] | None,
+        waited_s: float = 0.0,
     ) -> tuple[bool, int]:
-        """``mark``: (process start, tokens) of the sample this replica's view rests on, None for none."""
+        """``mark``: (process start, tokens) of the sample this replica's view rests on, None for none;
+        ``waited_s``: how long the request has waited here (other replicas' requests waiting longer go first)."""
         args: list[str | int] = [
             f"{self.replica_id}:",
             f"{self.replica_id}:{member}",
@@ -420,6 +462,7 @@ class RedisState:
             limit,
             int(lease_s * 1000),
             *_args(mark),
+            int(waited_s * 1000),
         ]
         out: list[Any] = await self._call(lambda: self._claim(keys=self._engine_keys(engine), args=args))
         return int(out[0]) == 1, int(out[1])
@@ -431,11 +474,21 @@ class RedisState:
         lease_s: float,
         everything: bool,
         mark: tuple[float, float] | None,
+        waiting: tuple[float, int, float] | None = None,
     ) -> int:
-        """``held``: member -> (blocks, of which the sample of ``mark`` shows)."""
+        """``held``: member -> (blocks, of which the sample of ``mark`` shows); ``waiting``: this replica's oldest
+        queued request, (seconds it has waited, blocks, how long the entry lasts), or None for none."""
         me = self.replica_id
         triples = [x for member, (blocks, shown) in held.items() for x in (f"{me}:{member}", blocks, shown)]
-        args: list[str | int] = [f"{self.replica_id}:", int(lease_s * 1000), int(everything), *_args(mark), *triples]
+        head = "" if waiting is None else f"{int(waiting[0] * 1000)} {waiting[1]} {int(waiting[2] * 1000)}"
+        args: list[str | int] = [
+            f"{self.replica_id}:",
+            int(lease_s * 1000),
+            int(everything),
+            *_args(mark),
+            head,
+            *triples,
+        ]
         others = await self._call(lambda: self._restate(keys=self._engine_keys(engine), args=args))
         return int(others)
 

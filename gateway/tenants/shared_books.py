@@ -14,6 +14,11 @@ restated claim says which of the claimant's last two samples showed how much of 
 (:class:`gateway.admission.engine.SampleMark`), and a replica takes off what the latest of them no newer than
 its own sample showed; if both are newer it counts the claim whole, until a newer sample of its own.
 
+Each replica also says what its queue's oldest request has waited and needs, and a request queued for longer
+at another replica counts as held: the replicas' queues are served oldest first, as one queue. Without it a
+replica refills at once the room its own requests free, while the others hear of that room a sample later,
+so whichever replica holds more of the engine keeps it, and the other's clients wait (or are refused).
+
 The admission core sees this only through :class:`gateway.admission.admitter.SharedBooks`: Redis down means
 "unknown", and admission goes on locally.
 """
@@ -29,32 +34,43 @@ def _mark(mark: SampleMark | None) -> tuple[float, float] | None:
 
 
 class RedisEngineBooks:
-    def __init__(self, redis: RedisState, lease_s: float) -> None:
+    def __init__(self, redis: RedisState, lease_s: float, waiting_ttl_s: float = 2.0) -> None:
+        """``waiting_ttl_s``: how long a replica's word on its queue lasts unless restated (a dead replica's
+        waiting request stops counting after it)."""
         self.redis = redis
         self.lease_s = lease_s
+        self.waiting_ttl_s = waiting_ttl_s
 
     async def claim(
-        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None
+        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
     ) -> tuple[bool, int] | None:
-        """Claim ``blocks`` on ``engine`` if the other replicas' claims, as ``mark``'s sample sees them, are at most
-        ``limit`` blocks: (claimed, their blocks), or None when Redis cannot say."""
+        """Claim ``blocks`` on ``engine`` if the other replicas' claims, as ``mark``'s sample sees them, and their
+        requests queued for longer than ``waited_s`` are at most ``limit`` blocks: (claimed, their blocks), or
+        None when Redis cannot say."""
         if not self.redis.healthy:
             return None
         try:
-            return await self.redis.claim_blocks(engine, member, blocks, limit, self.lease_s, _mark(mark))
+            return await self.redis.claim_blocks(engine, member, blocks, limit, self.lease_s, _mark(mark), waited_s)
         except RedisUnavailable:
             return None
 
     async def restate(
-        self, engine: str, held: dict[str, tuple[int, int]], mark: SampleMark | None, everything: bool = False
+        self,
+        engine: str,
+        held: dict[str, tuple[int, int]],
+        mark: SampleMark | None,
+        everything: bool = False,
+        waiting: tuple[float, int] | None = None,
     ) -> int | None:
         """Set this replica's claims on ``engine``: (blocks, of which ``mark``'s sample shows) each, 0 blocks
         removes one; ``everything``: its claims not listed are removed too, so a claim re-added by a late
-        restate lasts one sample, not a lease. The other replicas' blocks as ``mark``'s sample sees them, or
-        None."""
+        restate lasts one sample, not a lease; ``waiting``: its oldest queued request (seconds waited, blocks),
+        None for none. The other replicas' blocks as ``mark``'s sample sees them, with their requests queued
+        for longer, or None."""
         if not self.redis.healthy:
             return None
+        head = None if waiting is None else (waiting[0], waiting[1], self.waiting_ttl_s)
         try:
-            return await self.redis.restate_blocks(engine, held, self.lease_s, everything, _mark(mark))
+            return await self.redis.restate_blocks(engine, held, self.lease_s, everything, _mark(mark), head)
         except RedisUnavailable:
             return None

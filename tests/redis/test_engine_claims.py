@@ -108,3 +108,25 @@ async def test_a_dead_replicas_claims_lapse_with_their_lease(
     assert await a.restate(ENGINE, {}, now) == 0
     await b.restate(ENGINE, {"9": (40, 16)}, now)  # and what a live replica restates is there again
     assert await a.restate(ENGINE, {}, now) == 24
+
+
+async def test_requests_queued_longer_at_another_replica_go_first(
+    replicas: tuple[RedisEngineBooks, RedisEngineBooks],
+) -> None:
+    """The replicas' queues are served oldest first, as one queue: b's request that has waited 5 s counts as
+    held for a's younger requests (its claim is refused if both do not fit), not for a's older ones; b's word
+    is cleared when b's own claim is granted, and lapses if b stops restating."""
+    a, b = replicas
+    now = SampleMark(PROCESS, 1000.0)
+    await b.restate(ENGINE, {"1": (30, 0)}, now, waiting=(5.0, 40))  # 30 blocks held, 40 wanted for 5 s
+    assert await a.restate(ENGINE, {}, now) == 30 + 40  # as a request arriving at a now weighs it
+    assert await a.restate(ENGINE, {}, now, waiting=(60.0, 8)) == 30  # a's own head waited longer
+    assert await a.claim(ENGINE, "2", 10, 50, now, waited_s=1.0) == (False, 70)  # younger: b's 40 come first
+    assert await a.claim(ENGINE, "3", 10, 50, now, waited_s=60.0) == (True, 30)  # older: it goes first
+    assert await b.claim(ENGINE, "4", 40, 100, now, waited_s=5.0) == (True, 10)  # b's head admitted ...
+    assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 30 + 40  # ... and held as a claim, not as waiting
+    short = RedisEngineBooks(b.redis, lease_s=60, waiting_ttl_s=0.5)  # b, with a word a test can outwait
+    await short.restate(ENGINE, {"1": (30, 0), "4": (40, 0)}, now, everything=True, waiting=(2.0, 25))
+    assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 70 + 25
+    await asyncio.sleep(1.0)  # b stopped restating: its queue's word lapses, its claims' leases do not yet
+    assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 70

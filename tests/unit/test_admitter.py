@@ -238,13 +238,18 @@ class RecordingBooks:
         self.restates: list[tuple[dict[str, tuple[int, int]], SampleMark | None, bool]] = []
 
     async def claim(
-        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None
+        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
     ) -> tuple[bool, int] | None:
         self.claims.append((member, blocks, mark))
         return True, 0
 
     async def restate(
-        self, engine: str, held: dict[str, tuple[int, int]], mark: SampleMark | None, everything: bool = False
+        self,
+        engine: str,
+        held: dict[str, tuple[int, int]],
+        mark: SampleMark | None,
+        everything: bool = False,
+        waiting: tuple[float, int] | None = None,
     ) -> int | None:
         self.restates.append((held, mark, everything))
         return 0
@@ -281,15 +286,20 @@ class AnsweringBooks(RecordingBooks):
         self.others = others
 
     async def claim(
-        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None
+        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
     ) -> tuple[bool, int] | None:
-        await super().claim(engine, member, blocks, limit, mark)
+        await super().claim(engine, member, blocks, limit, mark, waited_s)
         return None if self.others is None else (self.others <= limit, self.others)
 
     async def restate(
-        self, engine: str, held: dict[str, tuple[int, int]], mark: SampleMark | None, everything: bool = False
+        self,
+        engine: str,
+        held: dict[str, tuple[int, int]],
+        mark: SampleMark | None,
+        everything: bool = False,
+        waiting: tuple[float, int] | None = None,
     ) -> int | None:
-        await super().restate(engine, held, mark, everything)
+        await super().restate(engine, held, mark, everything, waiting)
         return self.others
 
 
