@@ -53,10 +53,11 @@ class SharedBooks(Protocol):
         mark: SampleMark | None,
         everything: bool = False,
         waiting: tuple[float, int] | None = None,
+        discount: int = 0,
     ) -> int | None:
         """Set this replica's claims on ``engine``, (blocks, of which ``mark``'s sample shows) each (0 blocks
-        removes one; ``everything``: unlisted ones go too), and what its oldest queued request has waited and
-        needs (``waiting``, None for none)."""
+        removes one; ``everything``: unlisted ones go too), what its oldest queued request has waited and
+        needs (``waiting``, None for none), and how far below their sum its claims' peak lies (``discount``)."""
         ...
 
 
@@ -95,6 +96,7 @@ class Admitter:
         self.shared = shared  # other replicas' blocks per engine (Redis), when configured
         self._background: set[asyncio.Task[None]] = set()
         self._restating: set[str] = set()  # engines whose claims are being restated now
+        self._claiming: dict[str, int] = {}  # blocks per engine whose claims are on their way to the shared books
         self._waiters: dict[int, tuple[Ticket, asyncio.Future[Reservation], asyncio.TimerHandle]] = {}
 
     def prefix_of(self, request: InferenceRequest) -> tuple[int, ...]:
@@ -126,7 +128,9 @@ class Admitter:
         budget = self.controller.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         while True:
             remaining = max(0.0, budget - (self.clock() - started))
-            admission = await self._acquire_here(cost, tenant, remaining, qclass, body_bytes, key, retry, prefix)
+            admission = await self._acquire_here(
+                cost, tenant, remaining, qclass, body_bytes, key, retry, prefix, started
+            )
             if self.shared is None or await self._claimed(admission.reservation, self.clock() - started):
                 self.controller.placed(admission.reservation)
                 return admission
@@ -141,6 +145,7 @@ class Admitter:
         book = self.controller.engines.get(res.engine)
         if book is None:
             return True
+        self._claiming[res.engine] = self._claiming.get(res.engine, 0) + res.blocks
         try:
             now = self.clock()
             answer = await self.shared.claim(
@@ -149,9 +154,11 @@ class Admitter:
         except BaseException:
             self.release(res, "client_disconnect")
             raise
-        if answer is None:  # the shared books cannot say: this replica's own view decides, with the sample's
-            book.others_blocks = None
-            return True
+        finally:
+            self._claiming[res.engine] -= res.blocks
+        if answer is None:  # the shared books cannot say: this replica's own view decides, by the sample's
+            trusted, book.others_blocks = book.others_blocks is not None, None
+            return not trusted  # decided on what the books said before: decide again, by the sample
         claimed, others = answer
         book.others_blocks = others
         return claimed
@@ -166,11 +173,14 @@ class Admitter:
         key: tuple[str, ...],
         retry: bool,
         prefix: tuple[int, ...],
+        arrived_at: float,
     ) -> Admission:
         """Admit now, or wait in the queue until admitted, by this replica's own books."""
         qclass = qclass or QueueClass()
         now = self.clock()
-        decision = self.controller.submit(cost, tenant, now, max_wait_s, qclass, body_bytes, key, retry, prefix)
+        decision = self.controller.submit(
+            cost, tenant, now, max_wait_s, qclass, body_bytes, key, retry, prefix, arrived_at
+        )
         if isinstance(decision, Admitted):
             self.metrics.admitted.inc()
             self._on_admitted(0.0, decision.reservation, qclass)
@@ -277,7 +287,14 @@ class Admitter:
         book = self.controller.engines.get(engine)
         now = self.clock()
         mark = None if book is None else book.shared_mark(now)
-        others = await self.shared.restate(engine, held, mark, everything, self.controller.oldest_waiting(now))
+        # The queue's head is held for on the engines it may go to, not on one it cannot be placed on (ejected,
+        # leaving, or without fresh metrics); a closed gate closes for every replica alike, and opens for the
+        # replica that scrapes first: the head is held for there too.
+        placeable = book is not None and book.placeable and not book.is_stale(now)
+        waiting = self.controller.oldest_waiting(now) if placeable else None
+        # A claim on its way is in the ledger's peak but not yet in the books: the discount leaves it out.
+        discount = 0 if book is None else book.discount() + self._claiming.get(engine, 0)
+        others = await self.shared.restate(engine, held, mark, everything, waiting, discount)
         if book is not None:
             before, book.others_blocks = book.others_blocks, others
             if others is not None and (before is None or others < before):

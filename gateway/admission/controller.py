@@ -375,10 +375,12 @@ class AdmissionController:
         key: tuple[str, ...] = (),
         retry: bool = False,
         prefix: tuple[int, ...] = (),
+        arrived_at: float | None = None,
     ) -> Decision:
         """Admit now if nothing of this class or a higher one waits and it fits; otherwise queue (possibly
         shedding a lower-class ticket), or reject when the queue (or the tenant's share of it) is full. A
-        ``retry`` (the client came back after a refusal) queues ahead of its tenant's first attempts.
+        ``retry`` (the client came back after a refusal) queues ahead of its tenant's first attempts;
+        ``arrived_at``: when a request queued again here first arrived.
 
         A queued ticket may be at the head already: the caller pumps right after."""
         qclass = qclass or QueueClass()
@@ -406,6 +408,7 @@ class AdmissionController:
             key=key,
             retry=retry,
             prefix=prefix,
+            arrived_at=arrived_at,
         )
         pushed = self.queue.push(ticket)
         if isinstance(pushed, Refused):
@@ -430,7 +433,10 @@ class AdmissionController:
         """The request at the head of the queue, the next to be admitted: (seconds it has waited, its blocks);
         None with nothing queued. Other gateway replicas let it go before their younger requests."""
         head = self.queue.peek()
-        return None if head is None else (now - head.enqueued_at, head.cost.blocks)
+        if head is None:
+            return None
+        arrived = head.enqueued_at if head.arrived_at is None else head.arrived_at
+        return now - arrived, head.cost.blocks
 
     def expire(self, now: float) -> list[Ticket]:
         return self.queue.expired(now)

@@ -9,7 +9,9 @@ the engine may hold if we admit this request:
 * when the gateway is the engine's only client (``exclusive_upstream``), also ``B`` = every block the ledger
   has reserved + this request, a hard upper bound that, unlike ``A``, drops the moment a request ends. Gateway
   replicas that share their books (Redis) are one client: ``B`` then adds the other replicas' claims, whole,
-  and while the shared books cannot say what those are, ``B`` is no bound and ``A`` decides.
+  or what the sample shows beyond all this replica has reserved if that is more (a replica that lost Redis, or
+  claims a restarted Redis forgot, still show there); while the shared books cannot say, ``B`` is no bound and ``A``
+  decides.
 
 A request fits when the gate is open and ``min(A, B) <= high x total``. With stale metrics the ``ledger``
 policy admits against ``B`` alone under a lower cap; ``hold`` admits nothing.
@@ -103,6 +105,7 @@ class EngineBook:
         # Other gateway replicas' blocks here that the last sample may not show: None while the shared books
         # (``shared``) have not said, or cannot say now; always 0 for a gateway that shares no books.
         self.others_blocks: int | None = None if shared else 0
+        self.shared = shared
         self.leaving = False  # gone from discovery: nothing new is placed here; dropped once its ledger is empty
         self.ejected_until: float | None = None
         self.rejoined_at: float | None = None
@@ -192,13 +195,17 @@ class EngineBook:
             ours = ledger.peak_blocks(slack_blocks=int(BOUND_SLACK * self.geometry.num_blocks))
         else:
             ours = ledger.reserved_blocks
-        bound = ours + extra_blocks + others
-        if self.config.exclusive_upstream and self.others_blocks is not None:
-            return bound
         assert self.sample is not None
         # Whatever the sample shows beyond what we know to be ours belongs to someone else.
         external = max(0, round(self.sample.usage * self.geometry.num_blocks) - ledger.in_sample_blocks)
-        return external + bound
+        if self.config.exclusive_upstream and self.others_blocks is not None:
+            if self.shared:
+                # The claims may miss a replica that lost Redis, or claims a restarted Redis forgot; they show in
+                # the sample, beyond all that this replica may have there (a non-streamed request does not say).
+                floor = round(self.sample.usage * self.geometry.num_blocks) - ledger.reserved_blocks
+                return ours + extra_blocks + max(others, floor)
+            return ours + extra_blocks + others
+        return external + ours + extra_blocks + others
 
     def fits(self, blocks: int, now: float) -> float | None:
         """The projected usage (0..1) with ``blocks`` more admitted, if that may be admitted now; else None."""
@@ -227,6 +234,14 @@ class EngineBook:
         if self.config.exclusive_upstream or self.is_stale(now) or self.sample is None:
             return None
         return self.sample.mark
+
+    def discount(self) -> int:
+        """How far below the sum of this replica's reservations here their peak lies (blocks, <= 0), as the
+        other replicas are to count them; 0 under ``worst_case``, which counts every reservation whole."""
+        if self.config.growth_model != "lockstep" or self.geometry is None:
+            return 0
+        slack = int(BOUND_SLACK * self.geometry.num_blocks)
+        return self.ledger.peak_blocks(slack_blocks=slack) - self.ledger.reserved_blocks
 
     def claims(self) -> dict[str, tuple[int, int]]:
         """This replica's live reservations as the other replicas must weigh them: (blocks, of which the

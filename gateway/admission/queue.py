@@ -61,6 +61,7 @@ class Ticket:
     retry: bool = False  # came back after a refusal: queued ahead of its tenant's first attempts
     prefix: tuple[int, ...] = ()  # its prompt's chunk hashes, for prefix affinity in a pool
     eta_s: float | None = None  # the wait it was told to expect on arrival (None: the finish rate was unknown)
+    arrived_at: float | None = None  # when the request first arrived, if it queued again (a shared claim refused)
     start: float = 0.0
     finish: float = 0.0
 

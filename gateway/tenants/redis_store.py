@@ -142,7 +142,11 @@ return #KEYS
 # Redis time, needs ``blocks``; the entry lapses at ``expiry``). Another replica's queued request that has
 # waited longer than ``mine`` (ms Redis time; this replica's oldest waiting request, or the one it claims
 # for) counts as held: the engines serve the replicas' queues oldest first, as one queue, rather than each
-# replica refilling the room its own requests free.
+# replica refilling the room its own requests free. KEYS[5]: a hash (replica prefix -> its discount, blocks <= 0:
+# the most its claims can hold at one future moment, as its own ledger projects them decoding in lockstep, less
+# their sum, as of its last restate, plus the blocks of claims it had in flight then). Weighed without a sample
+# (whole claims), a replica's members sum to at least that peak, never below 0: the sum over replicas of their
+# peaks bounds the peak of their union, and each replica counts the others as it counts itself.
 _OTHERS = """
 local function parse_shown(entry)  -- shown, process, tokens, and the sample before's shown, tokens ('' if none)
   return string.match(entry, '^(%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
@@ -168,7 +172,7 @@ local function older_heads(waiting, prefix, now, mine)
   end
   return sum
 end
-local function others(leases, blocks, sampled, prefix, now, process, tokens)
+local function others(leases, blocks, sampled, discounts, prefix, now, process, tokens)
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
   for _, member in ipairs(expired) do  -- one by one: unpack() has a limit, and a dead replica may leave many
     redis.call('HDEL', blocks, member)
@@ -181,14 +185,22 @@ local function others(leases, blocks, sampled, prefix, now, process, tokens)
     for i = 1, #all, 2 do shown[all[i]] = all[i + 1] end
   end
   local all = redis.call('HGETALL', blocks)
-  local sum = 0
+  local by_replica = {}
   for i = 1, #all, 2 do
     local member = all[i]
     if string.sub(member, 1, #prefix) ~= prefix then
       local held = tonumber(all[i + 1])
       if shown[member] then held = held - shown_by(shown[member], process, tokens) end
-      sum = sum + held
+      local replica = string.match(member, '^(.*:)')
+      by_replica[replica] = (by_replica[replica] or 0) + held
     end
+  end
+  local sum = 0
+  for replica, held in pairs(by_replica) do
+    if process == '' then
+      held = math.max(0, held + (tonumber(redis.call('HGET', discounts, replica)) or 0))
+    end
+    sum = sum + held
   end
   return sum
 end
@@ -208,7 +220,7 @@ _CLAIM = (
     _OTHERS
     + """
 local prefix, member, blocks, limit, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local sum = others(KEYS[1], KEYS[2], KEYS[3], prefix, now, ARGV[6], tonumber(ARGV[7]))
+local sum = others(KEYS[1], KEYS[2], KEYS[3], KEYS[5], prefix, now, ARGV[6], tonumber(ARGV[7]))
 sum = sum + older_heads(KEYS[4], prefix, now, now - tonumber(ARGV[8]))
 if sum > limit then return {0, sum} end
 redis.call('ZADD', KEYS[1], now + lease, member)
@@ -223,8 +235,8 @@ return {1, sum}
 # Restate this replica's members: leases renewed, and how much of each its latest sample (process, tokens)
 # shows; 0 blocks removes one. ARGV: prefix, lease ms, everything (1: this replica's members not listed are
 # removed too), process, tokens, its oldest queued request ("waited-ms blocks ttl-ms", or '' for none: its
-# waiting entry is set to it), then member, blocks, shown triples. Returns the other replicas' sum, with their
-# requests queued for longer than this replica's oldest (or than a request arriving now).
+# waiting entry is set to it), its discount, then member, blocks, shown triples. Returns the other replicas'
+# sum, with their requests queued for longer than this replica's oldest (or than a request arriving now).
 _RESTATE = (
     _OTHERS
     + """
@@ -235,10 +247,10 @@ local waited, need, ttl = string.match(ARGV[6], '^(%S+) (%S+) (%S+)$')
 if waited then
   mine = now - tonumber(waited)
   redis.call('HSET', KEYS[4], prefix, mine .. ' ' .. need .. ' ' .. (now + tonumber(ttl)))
-  redis.call('PEXPIRE', KEYS[4], tonumber(ttl) * 2)
 else
   redis.call('HDEL', KEYS[4], prefix)
 end
+redis.call('HSET', KEYS[5], prefix, ARGV[7])
 local function remove(member)
   redis.call('ZREM', KEYS[1], member)
   redis.call('HDEL', KEYS[2], member)
@@ -246,12 +258,12 @@ local function remove(member)
 end
 if everything then
   local listed = {}
-  for i = 7, #ARGV, 3 do listed[ARGV[i]] = true end
+  for i = 8, #ARGV, 3 do listed[ARGV[i]] = true end
   for _, member in ipairs(redis.call('HKEYS', KEYS[2])) do
     if string.sub(member, 1, #prefix) == prefix and not listed[member] then remove(member) end
   end
 end
-for i = 7, #ARGV, 3 do
+for i = 8, #ARGV, 3 do
   local member, blocks, shown = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   if blocks > 0 then
     redis.call('ZADD', KEYS[1], now + lease, member)
@@ -276,7 +288,8 @@ for i = 7, #ARGV, 3 do
   end
 end
 expire(lease)
-return others(KEYS[1], KEYS[2], KEYS[3], prefix, now, process, tokens) + older_heads(KEYS[4], prefix, now, mine)
+local held = others(KEYS[1], KEYS[2], KEYS[3], KEYS[5], prefix, now, process, tokens)
+return held + older_heads(KEYS[4], prefix, now, mine)
 """
 )
 
@@ -440,7 +453,7 @@ class RedisState:
     # --- blocks in flight per engine, shared by the replicas -----------------------------------------
 
     def _engine_keys(self, engine: str) -> list[str]:
-        kinds = ("engine-leases", "engine-blocks", "engine-sampled", "engine-waiting")
+        kinds = ("engine-leases", "engine-blocks", "engine-sampled", "engine-waiting", "engine-discount")
         return [self.key(kind, engine) for kind in kinds]
 
     async def claim_blocks(
@@ -475,9 +488,11 @@ class RedisState:
         everything: bool,
         mark: tuple[float, float] | None,
         waiting: tuple[float, int, float] | None = None,
+        discount: int = 0,
     ) -> int:
         """``held``: member -> (blocks, of which the sample of ``mark`` shows); ``waiting``: this replica's oldest
-        queued request, (seconds it has waited, blocks, how long the entry lasts), or None for none."""
+        queued request, (seconds it has waited, blocks, how long the entry lasts), or None for none;
+        ``discount``: how far below their sum its claims' peak lies (blocks, <= 0 to count)."""
         me = self.replica_id
         triples = [x for member, (blocks, shown) in held.items() for x in (f"{me}:{member}", blocks, shown)]
         head = "" if waiting is None else f"{int(waiting[0] * 1000)} {waiting[1]} {int(waiting[2] * 1000)}"
@@ -487,6 +502,7 @@ class RedisState:
             int(everything),
             *_args(mark),
             head,
+            discount,
             *triples,
         ]
         others = await self._call(lambda: self._restate(keys=self._engine_keys(engine), args=args))

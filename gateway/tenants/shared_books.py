@@ -18,6 +18,9 @@ Each replica also says what its queue's oldest request has waited and needs, and
 at another replica counts as held: the replicas' queues are served oldest first, as one queue. Without it a
 replica refills at once the room its own requests free, while the others hear of that room a sample later,
 so whichever replica holds more of the engine keeps it, and the other's clients wait (or are refused).
+For the same reason a replica says how far below their sum its claims' peak lies (its ledger projects its
+requests decoding in lockstep, and counts its own so): weighed whole, another replica's claims would count for
+more than its own, and the replica holding more of the engine would see more room.
 
 The admission core sees this only through :class:`gateway.admission.admitter.SharedBooks`: Redis down means
 "unknown", and admission goes on locally.
@@ -61,16 +64,17 @@ class RedisEngineBooks:
         mark: SampleMark | None,
         everything: bool = False,
         waiting: tuple[float, int] | None = None,
+        discount: int = 0,
     ) -> int | None:
         """Set this replica's claims on ``engine``: (blocks, of which ``mark``'s sample shows) each, 0 blocks
         removes one; ``everything``: its claims not listed are removed too, so a claim re-added by a late
         restate lasts one sample, not a lease; ``waiting``: its oldest queued request (seconds waited, blocks),
-        None for none. The other replicas' blocks as ``mark``'s sample sees them, with their requests queued
-        for longer, or None."""
+        None for none; ``discount``: how far below their sum its claims' peak lies. The other replicas' blocks
+        as ``mark``'s sample sees them, with their requests queued for longer, or None."""
         if not self.redis.healthy:
             return None
         head = None if waiting is None else (waiting[0], waiting[1], self.waiting_ttl_s)
         try:
-            return await self.redis.restate_blocks(engine, held, self.lease_s, everything, _mark(mark), head)
+            return await self.redis.restate_blocks(engine, held, self.lease_s, everything, _mark(mark), head, discount)
         except RedisUnavailable:
             return None

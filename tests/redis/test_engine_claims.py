@@ -130,3 +130,21 @@ async def test_requests_queued_longer_at_another_replica_go_first(
     assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 70 + 25
     await asyncio.sleep(1.0)  # b stopped restating: its queue's word lapses, its claims' leases do not yet
     assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 70
+
+
+async def test_weighed_whole_a_replicas_claims_count_for_their_peak(
+    replicas: tuple[RedisEngineBooks, RedisEngineBooks],
+) -> None:
+    """A replica counts its own requests decoding in lockstep (their peak), and says how far below their sum
+    that peak lies; the others weigh its whole claims so, as it weighs them, never below nothing. Weighed
+    against a sample (exclusive_upstream off) claims stay whole less what the sample shows."""
+    a, b = replicas
+    now = SampleMark(PROCESS, 1000.0)
+    await b.restate(ENGINE, {"1": (30, 0), "2": (40, 0)}, now, discount=-25)
+    assert await a.restate(ENGINE, {}, None) == 45
+    assert await a.claim(ENGINE, "8", 10, 44, None) == (False, 45)
+    assert await a.restate(ENGINE, {}, SampleMark(PROCESS, 999.0)) == 70  # weighed against a sample: whole
+    assert await b.claim(ENGINE, "3", 10, 100, now) == (True, 0)  # a new claim counts whole until restated
+    assert await a.restate(ENGINE, {}, None) == 55
+    await b.restate(ENGINE, {"1": (30, 0)}, now, everything=True, discount=-100)
+    assert await a.restate(ENGINE, {}, None) == 0  # not -70: a discount takes off only what its claims hold

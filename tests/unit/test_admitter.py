@@ -236,6 +236,8 @@ class RecordingBooks:
     def __init__(self) -> None:
         self.claims: list[tuple[str, int, SampleMark | None]] = []
         self.restates: list[tuple[dict[str, tuple[int, int]], SampleMark | None, bool]] = []
+        self.waiting: list[tuple[float, int] | None] = []  # what each restate said of the queue's head
+        self.discounts: list[int] = []
 
     async def claim(
         self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
@@ -250,8 +252,11 @@ class RecordingBooks:
         mark: SampleMark | None,
         everything: bool = False,
         waiting: tuple[float, int] | None = None,
+        discount: int = 0,
     ) -> int | None:
         self.restates.append((held, mark, everything))
+        self.waiting.append(waiting)
+        self.discounts.append(discount)
         return 0
 
 
@@ -298,8 +303,9 @@ class AnsweringBooks(RecordingBooks):
         mark: SampleMark | None,
         everything: bool = False,
         waiting: tuple[float, int] | None = None,
+        discount: int = 0,
     ) -> int | None:
-        await super().restate(engine, held, mark, everything, waiting)
+        await super().restate(engine, held, mark, everything, waiting, discount)
         return self.others
 
 
@@ -321,18 +327,101 @@ async def test_replicas_sharing_books_bound_the_engine_together_and_the_sample_d
     assert book.projected_blocks(45, clock()) == 95  # the sample's 50, plus this request: over 90
     with pytest.raises(GatewayError):
         await admitter.acquire(rc(45), "t", max_wait_s=0)
-    books.others = 10  # the books answer: the other replica holds only 10 blocks now
+    books.others = 10  # the books answer: the other replica holds 10 blocks, all the sample shows
     admitter.scrape_started()
-    admitter.sample(UsageSample(0.5, 0.1))
+    admitter.sample(UsageSample(0.1, 0.1))
     await asyncio.sleep(0)
     assert book.others_blocks == 10
-    admission = await admitter.acquire(rc(45), "t", max_wait_s=0)  # 10 + 45, whatever the sample says
-    assert books.claims[-1][2] is None  # and claimed whole: the replicas' ledgers together are the bound
-    books.others = None  # Redis goes away: the claim cannot be checked, and the next decision is the sample's
-    assert book.projected_blocks(30, clock()) == 10 + 45 + 30
-    second = await admitter.acquire(rc(30), "t", max_wait_s=1)  # claimed blind, by its own view of the time
+    admission = await admitter.acquire(rc(45), "t", max_wait_s=0)
+    assert books.claims[-1][2] is None  # claimed whole: the replicas' ledgers together are the bound
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.5, 0.2))  # the other replica's request ended; this one's 45 show, or part
+    await asyncio.sleep(0)
+    assert book.projected_blocks(30, clock()) == 45 + 30 + 10  # not 50 more: this replica's own may be all of it
+    books.others = None  # Redis goes away: the claim cannot be checked, so the sample decides it again
+    with pytest.raises(GatewayError):  # by the sample (50 + 45 + 30) it does not fit, and it may not wait
+        await admitter.acquire(rc(30), "t", max_wait_s=0)
     assert book.others_blocks is None
-    assert book.projected_blocks(10, clock()) == 50 + 45 + 30 + 10
-    for a in (admission, second):
-        admitter.release(a.reservation, "ok")
+    assert book.projected_blocks(30, clock()) == 50 + 45 + 30
+    books.others = 10  # back; but a replica that lost Redis shows in the sample: 50 beyond this one's 45
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.95, 0.3))
+    await asyncio.sleep(0)
+    assert book.others_blocks == 10
+    assert book.projected_blocks(10, clock()) == 45 + 10 + 50
+    admitter.release(admission.reservation, "ok")
+    assert len(book.ledger) == 0
+
+
+async def test_a_request_queued_again_after_a_refused_claim_keeps_its_age_for_the_other_replicas() -> None:
+    """The other replicas let this replica's queue head go before their younger requests; one whose claim was
+    refused, and that queued again, is as old as its first arrival, not its second queueing."""
+    clock = Clock()
+
+    class SlowRefusingBooks(AnsweringBooks):
+        async def claim(
+            self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
+        ) -> tuple[bool, int] | None:
+            clock.now += 3.0  # the other replica took the room meanwhile
+            await super().claim(engine, member, blocks, limit, mark, waited_s)
+            return False, 80
+
+    books = SlowRefusingBooks(0)
+    controller = AdmissionController(AdmissionConfig(), KvGeometry(16, 100), shared_books=True)
+    admitter = Admitter(controller, GatewayMetrics(), clock, shared=books)
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.0, 0.0))
+    await asyncio.sleep(0)
+    waiter = asyncio.create_task(admitter.acquire(rc(20), "t", max_wait_s=60))
+    await asyncio.sleep(0)
+    assert len(controller.queue) == 1 and clock.now == 3.0  # refused once, queued again at 3 s
+    clock.now = 4.0
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.8, 4.0))
+    await asyncio.sleep(0)
+    assert books.waiting[-1] == (4.0, 20)  # waited since 0 s, not since 3 s
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert len(next(iter(controller.engines.values())).ledger) == 0
+
+
+async def test_a_replica_tells_the_others_how_far_below_their_sum_its_claims_peak() -> None:
+    """The discount a restate carries is the ledger's lockstep peak less its reservations' sum, plus the blocks
+    of claims still on their way to the shared books (in the ledger, not yet in the books)."""
+    gate = asyncio.Event()
+
+    class SlowBooks(RecordingBooks):
+        async def claim(
+            self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
+        ) -> tuple[bool, int] | None:
+            await gate.wait()
+            return await super().claim(engine, member, blocks, limit, mark, waited_s)
+
+    books = SlowBooks()
+    clock = Clock()
+    controller = AdmissionController(AdmissionConfig(), KvGeometry(16, 1000), shared_books=True)
+    admitter = Admitter(controller, GatewayMetrics(), clock, shared=books)
+    book = next(iter(controller.engines.values()))
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.0, 0.0))
+    await asyncio.sleep(0)
+    gate.set()
+    first = (await admitter.acquire(RequestCost((16,), 1, 320, 21), "t")).reservation  # 16 + 320 tokens
+    second = (await admitter.acquire(RequestCost((16,), 1, 320, 21), "t")).reservation
+    admitter.progress(first, 300)  # both decoding: one nearly done, the other just started
+    admitter.progress(second, 1)
+    assert book.discount() < 0, (book.ledger.peak_blocks(), book.ledger.reserved_blocks)
+    gate.clear()
+    third = asyncio.create_task(admitter.acquire(RequestCost((16,), 1, 320, 21), "t"))
+    await asyncio.sleep(0)  # admitted here, its claim on its way
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.05, 0.25))
+    await asyncio.sleep(0)
+    in_flight = next(res for res in book.ledger.live() if res not in (first, second))
+    assert books.discounts[-1] == book.discount() + in_flight.blocks
+    gate.set()
+    admission = await third
+    for res in (first, second, admission.reservation):
+        admitter.release(res, "ok")
     assert len(book.ledger) == 0
