@@ -13,6 +13,7 @@ where the client is answered.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -53,11 +54,13 @@ class SharedBooks(Protocol):
         mark: SampleMark | None,
         everything: bool = False,
         waiting: tuple[float, int] | None = None,
-        discount: int = 0,
+        peak: tuple[int, int] | None = None,
+        upto: int | None = None,
     ) -> int | None:
         """Set this replica's claims on ``engine``, (blocks, of which ``mark``'s sample shows) each (0 blocks
-        removes one; ``everything``: unlisted ones go too), what its oldest queued request has waited and
-        needs (``waiting``, None for none), and how far below their sum its claims' peak lies (``discount``)."""
+        removes one; ``everything``: unlisted ones up to ``upto`` go too), what its oldest queued request has
+        waited and needs (``waiting``, None for none), and ``peak``: (restate number, the most its reservations
+        up to ``upto``, the newest one it knew of, can hold at once)."""
         ...
 
 
@@ -96,7 +99,7 @@ class Admitter:
         self.shared = shared  # other replicas' blocks per engine (Redis), when configured
         self._background: set[asyncio.Task[None]] = set()
         self._restating: set[str] = set()  # engines whose claims are being restated now
-        self._claiming: dict[str, int] = {}  # blocks per engine whose claims are on their way to the shared books
+        self._restates = itertools.count(1)  # numbers this replica's restates: a late one never undoes a newer
         self._waiters: dict[int, tuple[Ticket, asyncio.Future[Reservation], asyncio.TimerHandle]] = {}
 
     def prefix_of(self, request: InferenceRequest) -> tuple[int, ...]:
@@ -145,7 +148,6 @@ class Admitter:
         book = self.controller.engines.get(res.engine)
         if book is None:
             return True
-        self._claiming[res.engine] = self._claiming.get(res.engine, 0) + res.blocks
         try:
             now = self.clock()
             answer = await self.shared.claim(
@@ -154,8 +156,6 @@ class Admitter:
         except BaseException:
             self.release(res, "client_disconnect")
             raise
-        finally:
-            self._claiming[res.engine] -= res.blocks
         if answer is None:  # the shared books cannot say: this replica's own view decides, by the sample's
             trusted, book.others_blocks = book.others_blocks is not None, None
             return not trusted  # decided on what the books said before: decide again, by the sample
@@ -292,9 +292,10 @@ class Admitter:
         # replica that scrapes first: the head is held for there too.
         placeable = book is not None and book.placeable and not book.is_stale(now)
         waiting = self.controller.oldest_waiting(now) if placeable else None
-        # A claim on its way is in the ledger's peak but not yet in the books: the discount leaves it out.
-        discount = 0 if book is None else book.discount() + self._claiming.get(engine, 0)
-        others = await self.shared.restate(engine, held, mark, everything, waiting, discount)
+        # Taken in the same step as ``held``: a reservation made after it has a newer id than ``upto``.
+        peak = None if book is None else (next(self._restates), book.shared_peak())
+        upto = None if book is None else book.ledger.last_id
+        others = await self.shared.restate(engine, held, mark, everything, waiting, peak, upto)
         if book is not None:
             before, book.others_blocks = book.others_blocks, others
             if others is not None and (before is None or others < before):
@@ -315,7 +316,10 @@ class Admitter:
             self._restating.discard(engine)
 
     def progress(self, reservation: Reservation, generated: int) -> None:
+        blocks = reservation.blocks
         self.controller.progress(reservation, generated, self.clock())
+        if reservation.blocks != blocks:  # it outran its estimate: the other replicas must hear of it now
+            self._restate_later(reservation.engine)
 
     def pump(self) -> None:
         """Wake every queued request that fits now."""

@@ -8,10 +8,10 @@ the engine may hold if we admit this request:
   output that in-flight requests may still grow into) + this request;
 * when the gateway is the engine's only client (``exclusive_upstream``), also ``B`` = every block the ledger
   has reserved + this request, a hard upper bound that, unlike ``A``, drops the moment a request ends. Gateway
-  replicas that share their books (Redis) are one client: ``B`` then adds the other replicas' claims, whole,
-  or what the sample shows beyond all this replica has reserved if that is more (a replica that lost Redis, or
-  claims a restarted Redis forgot, still show there); while the shared books cannot say, ``B`` is no bound and ``A``
-  decides.
+  replicas that share their books (Redis) are one client: ``B`` then adds the other replicas' claims (each
+  replica's at the peak it last said, plus what it claimed since, whole), or what the sample shows beyond all
+  this replica has reserved if that is more (a replica that lost Redis, or claims a restarted Redis forgot,
+  still show there); while the shared books cannot say, ``B`` is no bound and ``A`` decides.
 
 A request fits when the gate is open and ``min(A, B) <= high x total``. With stale metrics the ``ledger``
 policy admits against ``B`` alone under a lower cap; ``hold`` admits nothing.
@@ -235,13 +235,12 @@ class EngineBook:
             return None
         return self.sample.mark
 
-    def discount(self) -> int:
-        """How far below the sum of this replica's reservations here their peak lies (blocks, <= 0), as the
-        other replicas are to count them; 0 under ``worst_case``, which counts every reservation whole."""
+    def shared_peak(self) -> int:
+        """The most this replica's reservations here can hold at one future moment, as the other replicas are
+        to count them: as this replica counts them itself (their sum under ``worst_case``)."""
         if self.config.growth_model != "lockstep" or self.geometry is None:
-            return 0
-        slack = int(BOUND_SLACK * self.geometry.num_blocks)
-        return self.ledger.peak_blocks(slack_blocks=slack) - self.ledger.reserved_blocks
+            return self.ledger.reserved_blocks
+        return self.ledger.peak_blocks(slack_blocks=int(BOUND_SLACK * self.geometry.num_blocks))
 
     def claims(self) -> dict[str, tuple[int, int]]:
         """This replica's live reservations as the other replicas must weigh them: (blocks, of which the

@@ -60,6 +60,7 @@ class Ledger:
         self._in_sample_blocks = 0
         self.reserved_count = 0
         self.released_count = 0
+        self.last_id = 0  # the newest reservation's id: ids only grow, so any made later is above it
 
     def __len__(self) -> int:
         return len(self._live)
@@ -77,6 +78,7 @@ class Ledger:
         key: tuple[str, ...] = (),
     ) -> Reservation:
         res = Reservation(next(_reservation_ids), cost, tenant, admitted_at=now, full=full or cost, key=key)
+        self.last_id = res.id
         self._live[res.id] = res
         self.reserved_blocks += res.blocks
         self.reserved_count += 1

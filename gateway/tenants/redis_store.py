@@ -142,11 +142,13 @@ return #KEYS
 # Redis time, needs ``blocks``; the entry lapses at ``expiry``). Another replica's queued request that has
 # waited longer than ``mine`` (ms Redis time; this replica's oldest waiting request, or the one it claims
 # for) counts as held: the engines serve the replicas' queues oldest first, as one queue, rather than each
-# replica refilling the room its own requests free. KEYS[5]: a hash (replica prefix -> its discount, blocks <= 0:
-# the most its claims can hold at one future moment, as its own ledger projects them decoding in lockstep, less
-# their sum, as of its last restate, plus the blocks of claims it had in flight then). Weighed without a sample
-# (whole claims), a replica's members sum to at least that peak, never below 0: the sum over replicas of their
-# peaks bounds the peak of their union, and each replica counts the others as it counts itself.
+# replica refilling the room its own requests free. KEYS[5]: a hash (replica prefix -> "seq peak upto expiry":
+# the most its reservations up to id ``upto`` can hold at one future moment, as its own ledger projected them
+# decoding in lockstep when it took its restate number ``seq``; a restate older than the one stored is ignored).
+# Weighed without a sample (whole claims), a replica with a live peak counts as that peak plus its members
+# above ``upto`` (claimed since), whole: its members up to ``upto`` are in the peak whether or not Redis still
+# has them, and a late or stale peak only counts for more. The sum over replicas of their peaks bounds the peak
+# of their union, so each replica counts the others as it counts itself.
 _OTHERS = """
 local function parse_shown(entry)  -- shown, process, tokens, and the sample before's shown, tokens ('' if none)
   return string.match(entry, '^(%S+) (%S+) (%S+) ?(%S*) ?(%S*)$')
@@ -172,7 +174,7 @@ local function older_heads(waiting, prefix, now, mine)
   end
   return sum
 end
-local function others(leases, blocks, sampled, discounts, prefix, now, process, tokens)
+local function others(leases, blocks, sampled, peaks, prefix, now, process, tokens)
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
   for _, member in ipairs(expired) do  -- one by one: unpack() has a limit, and a dead replica may leave many
     redis.call('HDEL', blocks, member)
@@ -184,23 +186,31 @@ local function others(leases, blocks, sampled, discounts, prefix, now, process, 
     local all = redis.call('HGETALL', sampled)
     for i = 1, #all, 2 do shown[all[i]] = all[i + 1] end
   end
-  local all = redis.call('HGETALL', blocks)
-  local by_replica = {}
-  for i = 1, #all, 2 do
-    local member = all[i]
-    if string.sub(member, 1, #prefix) ~= prefix then
-      local held = tonumber(all[i + 1])
-      if shown[member] then held = held - shown_by(shown[member], process, tokens) end
-      local replica = string.match(member, '^(.*:)')
-      by_replica[replica] = (by_replica[replica] or 0) + held
+  local peak, upto = {}, {}  -- weighed whole: each replica's live peak, and the newest reservation in it
+  if process == '' then
+    local all = redis.call('HGETALL', peaks)
+    for i = 1, #all, 2 do
+      local _, p, u, expiry = string.match(all[i + 1], '^(%S+) (%S+) (%S+) (%S+)$')
+      if tonumber(expiry) <= now then
+        redis.call('HDEL', peaks, all[i])
+      elseif all[i] ~= prefix then
+        peak[all[i]], upto[all[i]] = tonumber(p), tonumber(u)
+      end
     end
   end
   local sum = 0
-  for replica, held in pairs(by_replica) do
-    if process == '' then
-      held = math.max(0, held + (tonumber(redis.call('HGET', discounts, replica)) or 0))
+  for _, p in pairs(peak) do sum = sum + p end
+  local all = redis.call('HGETALL', blocks)
+  for i = 1, #all, 2 do
+    local member = all[i]
+    if string.sub(member, 1, #prefix) ~= prefix then
+      local replica = string.match(member, '^(.*:)')
+      local held = tonumber(all[i + 1])
+      if shown[member] then held = held - shown_by(shown[member], process, tokens) end
+      if not upto[replica] or tonumber(string.sub(member, #replica + 1)) > upto[replica] then
+        sum = sum + held
+      end
     end
-    sum = sum + held
   end
   return sum
 end
@@ -235,7 +245,10 @@ return {1, sum}
 # Restate this replica's members: leases renewed, and how much of each its latest sample (process, tokens)
 # shows; 0 blocks removes one. ARGV: prefix, lease ms, everything (1: this replica's members not listed are
 # removed too), process, tokens, its oldest queued request ("waited-ms blocks ttl-ms", or '' for none: its
-# waiting entry is set to it), its discount, then member, blocks, shown triples. Returns the other replicas'
+# waiting entry is set to it), "seq peak" (its restate number and its reservations' peak, '' for none), the
+# newest reservation it knew of (the peak's ``upto``; with everything, a member of its not listed is removed
+# only up to that one: a claim made after the restate was taken, and landed before it, stays), then member,
+# blocks, shown triples. Returns the other replicas'
 # sum, with their requests queued for longer than this replica's oldest (or than a request arriving now).
 _RESTATE = (
     _OTHERS
@@ -250,20 +263,30 @@ if waited then
 else
   redis.call('HDEL', KEYS[4], prefix)
 end
-redis.call('HSET', KEYS[5], prefix, ARGV[7])
+local seq, peak = string.match(ARGV[7], '^(%S+) (%S+)$')
+if seq then
+  local stored = redis.call('HGET', KEYS[5], prefix)
+  local stored_seq = stored and tonumber(string.match(stored, '^(%S+)'))
+  if not stored_seq or stored_seq < tonumber(seq) then
+    redis.call('HSET', KEYS[5], prefix, seq .. ' ' .. peak .. ' ' .. ARGV[8] .. ' ' .. (now + lease))
+  end
+end
 local function remove(member)
   redis.call('ZREM', KEYS[1], member)
   redis.call('HDEL', KEYS[2], member)
   redis.call('HDEL', KEYS[3], member)
 end
 if everything then
-  local listed = {}
-  for i = 8, #ARGV, 3 do listed[ARGV[i]] = true end
+  local listed, upto = {}, tonumber(ARGV[8])
+  for i = 9, #ARGV, 3 do listed[ARGV[i]] = true end
   for _, member in ipairs(redis.call('HKEYS', KEYS[2])) do
-    if string.sub(member, 1, #prefix) == prefix and not listed[member] then remove(member) end
+    if string.sub(member, 1, #prefix) == prefix and not listed[member]
+        and tonumber(string.sub(member, #prefix + 1)) <= upto then
+      remove(member)
+    end
   end
 end
-for i = 8, #ARGV, 3 do
+for i = 9, #ARGV, 3 do
   local member, blocks, shown = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
   if blocks > 0 then
     redis.call('ZADD', KEYS[1], now + lease, member)
@@ -294,6 +317,7 @@ return held + older_heads(KEYS[4], prefix, now, mine)
 )
 
 _TIMEOUTS_DOWN = 3
+_ALL_IDS = 2**53  # an ``upto`` above every reservation id (Lua numbers are doubles)
 
 
 class RedisUnavailable(Exception):
@@ -453,7 +477,7 @@ class RedisState:
     # --- blocks in flight per engine, shared by the replicas -----------------------------------------
 
     def _engine_keys(self, engine: str) -> list[str]:
-        kinds = ("engine-leases", "engine-blocks", "engine-sampled", "engine-waiting", "engine-discount")
+        kinds = ("engine-leases", "engine-blocks", "engine-sampled", "engine-waiting", "engine-peak")
         return [self.key(kind, engine) for kind in kinds]
 
     async def claim_blocks(
@@ -488,11 +512,14 @@ class RedisState:
         everything: bool,
         mark: tuple[float, float] | None,
         waiting: tuple[float, int, float] | None = None,
-        discount: int = 0,
+        peak: tuple[int, int] | None = None,
+        upto: int | None = None,
     ) -> int:
         """``held``: member -> (blocks, of which the sample of ``mark`` shows); ``waiting``: this replica's oldest
         queued request, (seconds it has waited, blocks, how long the entry lasts), or None for none;
-        ``discount``: how far below their sum its claims' peak lies (blocks, <= 0 to count)."""
+        ``peak``: (restate number, the most its reservations up to ``upto`` can hold at once), None for none;
+        ``upto``: the newest reservation ``held`` and ``peak`` knew of (with ``everything``, members above it are
+        not removed; None: all are)."""
         me = self.replica_id
         triples = [x for member, (blocks, shown) in held.items() for x in (f"{me}:{member}", blocks, shown)]
         head = "" if waiting is None else f"{int(waiting[0] * 1000)} {waiting[1]} {int(waiting[2] * 1000)}"
@@ -502,7 +529,8 @@ class RedisState:
             int(everything),
             *_args(mark),
             head,
-            discount,
+            "" if peak is None else f"{peak[0]} {peak[1]}",
+            _ALL_IDS if upto is None else upto,
             *triples,
         ]
         others = await self._call(lambda: self._restate(keys=self._engine_keys(engine), args=args))

@@ -7,23 +7,25 @@ the other replicas' claims still fit under what this replica's own projection le
 its claims at every sample (leases renewed), and a replica that dies loses its claims when their lease runs
 out.
 
-A claim is counted whole, less what the engine's metrics already show of it; but the replicas scrape the
-engine at different moments. A request admitted by one replica after another's last scrape, and seen
-decoding by its own, is in neither that other replica's sample nor, had it been taken off, its claim. So each
-restated claim says which of the claimant's last two samples showed how much of it
-(:class:`gateway.admission.engine.SampleMark`), and a replica takes off what the latest of them no newer than
-its own sample showed; if both are newer it counts the claim whole, until a newer sample of its own.
+Weighed against a replica's sample (``exclusive_upstream`` off), a claim is counted whole, less what the
+engine's metrics already show of it; but the replicas scrape the engine at different moments. A request
+admitted by one replica after another's last scrape, and seen decoding by its own, is in neither that other
+replica's sample nor, had it been taken off, its claim. So each restated claim says which of the claimant's
+last two samples showed how much of it (:class:`gateway.admission.engine.SampleMark`), and a replica takes
+off what the latest of them no newer than its own sample showed; if both are newer it counts the claim whole,
+until a newer sample of its own.
 
 Each replica also says what its queue's oldest request has waited and needs, and a request queued for longer
 at another replica counts as held: the replicas' queues are served oldest first, as one queue. Without it a
 replica refills at once the room its own requests free, while the others hear of that room a sample later,
 so whichever replica holds more of the engine keeps it, and the other's clients wait (or are refused).
-For the same reason a replica says how far below their sum its claims' peak lies (its ledger projects its
-requests decoding in lockstep, and counts its own so): weighed whole, another replica's claims would count for
-more than its own, and the replica holding more of the engine would see more room.
+For the same reason a replica says, at every restate, the most its reservations can hold at one future moment
+(its ledger projects its requests decoding in lockstep, and counts its own so), and the others count it at
+that peak plus what it has claimed since: weighed whole, another replica's claims would count for more than
+its own, and the replica holding more of the engine would see more room.
 
 The admission core sees this only through :class:`gateway.admission.admitter.SharedBooks`: Redis down means
-"unknown", and admission goes on locally.
+"unknown", and admission goes on locally, by the engine's samples.
 """
 
 from __future__ import annotations
@@ -64,17 +66,21 @@ class RedisEngineBooks:
         mark: SampleMark | None,
         everything: bool = False,
         waiting: tuple[float, int] | None = None,
-        discount: int = 0,
+        peak: tuple[int, int] | None = None,
+        upto: int | None = None,
     ) -> int | None:
         """Set this replica's claims on ``engine``: (blocks, of which ``mark``'s sample shows) each, 0 blocks
-        removes one; ``everything``: its claims not listed are removed too, so a claim re-added by a late
-        restate lasts one sample, not a lease; ``waiting``: its oldest queued request (seconds waited, blocks),
-        None for none; ``discount``: how far below their sum its claims' peak lies. The other replicas' blocks
-        as ``mark``'s sample sees them, with their requests queued for longer, or None."""
+        removes one; ``everything``: its claims not listed are removed too (up to ``upto``: one claimed after
+        ``held`` was taken stays), so a claim re-added by a late restate lasts one sample, not a lease;
+        ``waiting``: its oldest queued request (seconds waited, blocks), None for none; ``peak``: (restate
+        number, the most its reservations up to ``upto`` can hold at once). The other replicas' blocks as
+        ``mark``'s sample sees them, with their requests queued for longer, or None."""
         if not self.redis.healthy:
             return None
         head = None if waiting is None else (waiting[0], waiting[1], self.waiting_ttl_s)
         try:
-            return await self.redis.restate_blocks(engine, held, self.lease_s, everything, _mark(mark), head, discount)
+            return await self.redis.restate_blocks(
+                engine, held, self.lease_s, everything, _mark(mark), head, peak, upto
+            )
         except RedisUnavailable:
             return None

@@ -132,19 +132,37 @@ async def test_requests_queued_longer_at_another_replica_go_first(
     assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 70
 
 
-async def test_weighed_whole_a_replicas_claims_count_for_their_peak(
+async def test_weighed_whole_a_replicas_claims_count_at_its_peak_plus_what_it_claimed_since(
     replicas: tuple[RedisEngineBooks, RedisEngineBooks],
 ) -> None:
-    """A replica counts its own requests decoding in lockstep (their peak), and says how far below their sum
-    that peak lies; the others weigh its whole claims so, as it weighs them, never below nothing. Weighed
-    against a sample (exclusive_upstream off) claims stay whole less what the sample shows."""
+    """A replica counts its own requests decoding in lockstep (their peak), and says that peak with every
+    restate; the others weigh its claims so, plus any it made since, whole. A restate that lands after a newer
+    one does not undo it. Weighed against a sample (exclusive_upstream off) claims stay whole less what the
+    sample shows."""
     a, b = replicas
     now = SampleMark(PROCESS, 1000.0)
-    await b.restate(ENGINE, {"1": (30, 0), "2": (40, 0)}, now, discount=-25)
+    await b.restate(ENGINE, {"1": (30, 0), "2": (40, 0)}, now, everything=True, peak=(5, 45), upto=2)
     assert await a.restate(ENGINE, {}, None) == 45
     assert await a.claim(ENGINE, "8", 10, 44, None) == (False, 45)
     assert await a.restate(ENGINE, {}, SampleMark(PROCESS, 999.0)) == 70  # weighed against a sample: whole
-    assert await b.claim(ENGINE, "3", 10, 100, now) == (True, 0)  # a new claim counts whole until restated
+    assert await b.claim(ENGINE, "3", 10, 100, now) == (True, 0)  # claimed since: whole, on top of the peak
     assert await a.restate(ENGINE, {}, None) == 55
-    await b.restate(ENGINE, {"1": (30, 0)}, now, everything=True, discount=-100)
-    assert await a.restate(ENGINE, {}, None) == 0  # not -70: a discount takes off only what its claims hold
+    await b.restate(ENGINE, {"2": (0, 0)}, now, peak=(7, 5), upto=3)  # 2 ended: 1 and 3 peak at 5 together
+    assert await a.restate(ENGINE, {}, None) == 5
+    await b.restate(ENGINE, {"1": (0, 0)}, now, peak=(6, 40), upto=3)  # taken before the one above, late
+    assert await a.restate(ENGINE, {}, None) == 5
+
+
+async def test_a_restate_taken_before_a_claim_and_landing_after_it_keeps_the_claim(
+    replicas: tuple[RedisEngineBooks, RedisEngineBooks],
+) -> None:
+    """A replica's restate lists its reservations as of one moment; a claim it makes after that moment may
+    reach Redis first. The restate removes the replica's unlisted claims only up to the newest reservation it
+    knew of: the later claim stays (else the other replicas would not see it until the next sample)."""
+    a, b = replicas
+    await b.restate(ENGINE, {"11": (30, 0), "12": (20, 0)}, None, everything=True, upto=12)
+    assert await b.claim(ENGINE, "14", 25, 1000, None) == (True, 0)  # made after the restate below was taken
+    await b.restate(ENGINE, {"12": (20, 0)}, None, everything=True, upto=13)  # 11 ended; it knew of up to 13
+    assert await a.restate(ENGINE, {}, None) == 20 + 25
+    await b.restate(ENGINE, {"12": (20, 0)}, None, everything=True, upto=14)  # 14 ended too
+    assert await a.restate(ENGINE, {}, None) == 20

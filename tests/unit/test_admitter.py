@@ -237,7 +237,7 @@ class RecordingBooks:
         self.claims: list[tuple[str, int, SampleMark | None]] = []
         self.restates: list[tuple[dict[str, tuple[int, int]], SampleMark | None, bool]] = []
         self.waiting: list[tuple[float, int] | None] = []  # what each restate said of the queue's head
-        self.discounts: list[int] = []
+        self.peaks: list[tuple[tuple[int, int] | None, int | None]] = []
 
     async def claim(
         self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
@@ -252,11 +252,12 @@ class RecordingBooks:
         mark: SampleMark | None,
         everything: bool = False,
         waiting: tuple[float, int] | None = None,
-        discount: int = 0,
+        peak: tuple[int, int] | None = None,
+        upto: int | None = None,
     ) -> int | None:
         self.restates.append((held, mark, everything))
         self.waiting.append(waiting)
-        self.discounts.append(discount)
+        self.peaks.append((peak, upto))
         return 0
 
 
@@ -303,9 +304,10 @@ class AnsweringBooks(RecordingBooks):
         mark: SampleMark | None,
         everything: bool = False,
         waiting: tuple[float, int] | None = None,
-        discount: int = 0,
+        peak: tuple[int, int] | None = None,
+        upto: int | None = None,
     ) -> int | None:
-        await super().restate(engine, held, mark, everything, waiting, discount)
+        await super().restate(engine, held, mark, everything, waiting, peak, upto)
         return self.others
 
 
@@ -386,9 +388,10 @@ async def test_a_request_queued_again_after_a_refused_claim_keeps_its_age_for_th
     assert len(next(iter(controller.engines.values())).ledger) == 0
 
 
-async def test_a_replica_tells_the_others_how_far_below_their_sum_its_claims_peak() -> None:
-    """The discount a restate carries is the ledger's lockstep peak less its reservations' sum, plus the blocks
-    of claims still on their way to the shared books (in the ledger, not yet in the books)."""
+async def test_a_replica_tells_the_others_the_peak_of_its_reservations_and_which_ones_it_covers() -> None:
+    """Each restate carries this replica's lockstep peak (what it counts its own reservations at), numbered so
+    that a late restate never undoes a newer one, and the newest reservation it covers: one still on its way to
+    the shared books included (it is in the ledger), any admitted later not."""
     gate = asyncio.Event()
 
     class SlowBooks(RecordingBooks):
@@ -411,17 +414,22 @@ async def test_a_replica_tells_the_others_how_far_below_their_sum_its_claims_pea
     second = (await admitter.acquire(RequestCost((16,), 1, 320, 21), "t")).reservation
     admitter.progress(first, 300)  # both decoding: one nearly done, the other just started
     admitter.progress(second, 1)
-    assert book.discount() < 0, (book.ledger.peak_blocks(), book.ledger.reserved_blocks)
+    assert book.shared_peak() < book.ledger.reserved_blocks
     gate.clear()
     third = asyncio.create_task(admitter.acquire(RequestCost((16,), 1, 320, 21), "t"))
     await asyncio.sleep(0)  # admitted here, its claim on its way
     admitter.scrape_started()
     admitter.sample(UsageSample(0.05, 0.25))
     await asyncio.sleep(0)
+    (number, peak), upto = books.peaks[-1]  # type: ignore[misc]
     in_flight = next(res for res in book.ledger.live() if res not in (first, second))
-    assert books.discounts[-1] == book.discount() + in_flight.blocks
+    assert peak == book.shared_peak() and upto == in_flight.id
     gate.set()
     admission = await third
-    for res in (first, second, admission.reservation):
+    admitter.release(first, "ok")
+    await asyncio.sleep(0)
+    (later, _), _ = books.peaks[-1]  # type: ignore[misc]
+    assert later > number  # the release's restate, taken later
+    for res in (second, admission.reservation):
         admitter.release(res, "ok")
     assert len(book.ledger) == 0
