@@ -99,6 +99,7 @@ class Admitter:
         self.shared = shared  # other replicas' blocks per engine (Redis), when configured
         self._background: set[asyncio.Task[None]] = set()
         self._restating: set[str] = set()  # engines whose claims are being restated now
+        self._restate_again: set[str] = set()  # engines asked to restate while one was on its way
         self._restates = itertools.count(1)  # numbers this replica's restates: a late one never undoes a newer
         self._waiters: dict[int, tuple[Ticket, asyncio.Future[Reservation], asyncio.TimerHandle]] = {}
 
@@ -302,9 +303,15 @@ class Admitter:
                 self.pump()  # the other replicas freed room: the queue here hears of it now, not a sample later
 
     def _restate_later(self, engine: str) -> None:
-        if self.shared is not None and engine not in self._restating:
-            self._restating.add(engine)
-            self._spawn(self._restate_all(engine))
+        """Restate everything on ``engine`` soon: one restate at a time per engine, and one more after it if
+        asked meanwhile (the one on its way was taken before what asked)."""
+        if self.shared is None:
+            return
+        if engine in self._restating:
+            self._restate_again.add(engine)
+            return
+        self._restating.add(engine)
+        self._spawn(self._restate_all(engine))
 
     async def _restate_all(self, engine: str) -> None:
         """After a sample: this replica's claims on ``engine`` now (what the sample shows taken off)."""
@@ -314,11 +321,14 @@ class Admitter:
                 await self._restate(engine, book.claims(), everything=True)
         finally:
             self._restating.discard(engine)
+            if engine in self._restate_again:
+                self._restate_again.discard(engine)
+                self._restate_later(engine)
 
     def progress(self, reservation: Reservation, generated: int) -> None:
-        blocks = reservation.blocks
+        cost = reservation.cost
         self.controller.progress(reservation, generated, self.clock())
-        if reservation.blocks != blocks:  # it outran its estimate: the other replicas must hear of it now
+        if reservation.cost is not cost:  # it outran its estimate: the other replicas must hear of it now
             self._restate_later(reservation.engine)
 
     def pump(self) -> None:

@@ -188,7 +188,7 @@ class EngineBook:
             return None
         ledger = self.ledger
         others = self.others_blocks or 0
-        if self.is_stale(now):  # no fresh picture of the engine: trust nothing but whole reservations
+        if self.is_stale(now):  # no fresh picture of the engine: trust nothing but reservations
             stale = ledger.reserved_blocks + extra_blocks + others
             return stale if self.config.stale_policy == "ledger" else None
         if self.config.growth_model == "lockstep":

@@ -433,3 +433,46 @@ async def test_a_replica_tells_the_others_the_peak_of_its_reservations_and_which
     for res in (second, admission.reservation):
         admitter.release(res, "ok")
     assert len(book.ledger) == 0
+
+
+async def test_a_stream_that_outgrows_its_estimate_is_restated_even_while_a_restate_is_on_its_way() -> None:
+    """The restate on its way was taken before the growth; another follows it, with the grown peak."""
+    landed = asyncio.Event()
+
+    class SlowRestates(RecordingBooks):
+        async def restate(
+            self,
+            engine: str,
+            held: dict[str, tuple[int, int]],
+            mark: SampleMark | None,
+            everything: bool = False,
+            waiting: tuple[float, int] | None = None,
+            peak: tuple[int, int] | None = None,
+            upto: int | None = None,
+        ) -> int | None:
+            await landed.wait()
+            return await super().restate(engine, held, mark, everything, waiting, peak, upto)
+
+    books = SlowRestates()
+    clock = Clock()
+    config = AdmissionConfig(output_estimate={"prior_tokens": 32})  # type: ignore[arg-type]
+    controller = AdmissionController(config, KvGeometry(16, 1000), shared_books=True)
+    admitter = Admitter(controller, GatewayMetrics(), clock, shared=books)
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.0, 0.0))
+    landed.set()
+    await asyncio.sleep(0)
+    res = (await admitter.acquire(RequestCost((16,), 1, 1000, 64), "t")).reservation
+    assert res.cost.max_output == 32  # reserved for its expected output, not its budget
+    landed.clear()
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.01, 0.25))  # a restate on its way, taken now
+    await asyncio.sleep(0)
+    admitter.progress(res, 30)  # it outruns its estimate: the reservation grows
+    assert res.cost.max_output > 32
+    grown = controller.engines[res.engine].shared_peak()
+    landed.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert books.peaks[-1][0] is not None and books.peaks[-1][0][1] == grown
+    admitter.release(res, "ok")
