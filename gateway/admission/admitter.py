@@ -31,7 +31,7 @@ from gateway.protocol.requests import InferenceRequest
 from gateway.tokens.cost import RequestCost
 
 # Releases that are not a request finishing on the engine: they say nothing of the rate the line moves at.
-NOT_FINISHED = frozenset({"claim_refused", "engine_unreachable"})
+NOT_FINISHED = frozenset({"claim_refused", "claim_unanswered", "engine_unreachable"})
 
 
 class SharedBooks(Protocol):
@@ -135,20 +135,23 @@ class Admitter:
             admission = await self._acquire_here(
                 cost, tenant, remaining, qclass, body_bytes, key, retry, prefix, started
             )
-            if self.shared is None or await self._claimed(admission.reservation, self.clock() - started):
+            refused = None if self.shared is None else await self._claim(admission.reservation, self.clock() - started)
+            if refused is None:
                 self.controller.placed(admission.reservation)
                 return admission
-            self.release(admission.reservation, "claim_refused")
+            self.release(admission.reservation, refused)
             retry = True
 
-    async def _claimed(self, res: Reservation, waited_s: float) -> bool:
-        """Claim ``res``'s blocks in the shared books; False if the other replicas hold too much there now, or
-        requests queued there for longer than ``waited_s`` need the room. A cancellation meanwhile gives the
-        reservation back (and the claim, if it was made)."""
+    async def _claim(self, res: Reservation, waited_s: float) -> str | None:
+        """Claim ``res``'s blocks in the shared books: None when claimed; else why not, as the release's
+        outcome: ``claim_refused`` (the other replicas hold too much there now, or requests queued there for
+        longer than ``waited_s`` need the room) or ``claim_unanswered`` (the books cannot say, and the
+        request was placed on their earlier word). A cancellation meanwhile gives the reservation back (and
+        the claim, if it was made)."""
         assert self.shared is not None
         book = self.controller.engines.get(res.engine)
         if book is None:
-            return True
+            return None
         try:
             now = self.clock()
             answer = await self.shared.claim(
@@ -159,10 +162,10 @@ class Admitter:
             raise
         if answer is None:  # the shared books cannot say: this replica's own view decides, by the sample's
             trusted, book.others_blocks = book.others_blocks is not None, None
-            return not trusted  # decided on what the books said before: decide again, by the sample
+            return "claim_unanswered" if trusted else None  # placed on their earlier word: decide again
         claimed, others = answer
         book.others_blocks = others
-        return claimed
+        return None if claimed else "claim_refused"
 
     async def _acquire_here(
         self,

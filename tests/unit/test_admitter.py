@@ -343,6 +343,7 @@ async def test_replicas_sharing_books_bound_the_engine_together_and_the_sample_d
     books.others = None  # Redis goes away: the claim cannot be checked, so the sample decides it again
     with pytest.raises(GatewayError):  # by the sample (50 + 45 + 30) it does not fit, and it may not wait
         await admitter.acquire(rc(30), "t", max_wait_s=0)
+    assert admitter.metrics.released.labels("claim_unanswered").value == 1
     assert book.others_blocks is None
     assert book.projected_blocks(30, clock()) == 50 + 45 + 30
     books.others = 10  # back; but a replica that lost Redis shows in the sample: 50 beyond this one's 45
