@@ -53,13 +53,13 @@ class SharedBooks(Protocol):
         held: dict[str, tuple[int, int]],
         mark: SampleMark | None,
         everything: bool = False,
-        waiting: tuple[float, int] | None = None,
+        waiting: tuple[tuple[float, int], ...] = (),
         peak: tuple[int, int] | None = None,
         upto: int | None = None,
     ) -> int | None:
         """Set this replica's claims on ``engine``, (blocks, of which ``mark``'s sample shows) each (0 blocks
-        removes one; ``everything``: unlisted ones up to ``upto`` go too), what its oldest queued request has
-        waited and needs (``waiting``, None for none), and ``peak``: (restate number, the most its reservations
+        removes one; ``everything``: unlisted ones up to ``upto`` go too), what the first requests of its queue
+        have waited and need (``waiting``), and ``peak``: (restate number, the most its reservations
         up to ``upto``, the newest one it knew of, can hold at once)."""
         ...
 
@@ -295,7 +295,7 @@ class Admitter:
         # leaving, or without fresh metrics); a closed gate closes for every replica alike, and opens for the
         # replica that scrapes first: the head is held for there too.
         placeable = book is not None and book.placeable and not book.is_stale(now)
-        waiting = self.controller.oldest_waiting(now) if placeable else None
+        waiting = self.controller.queued_first(now) if placeable else ()
         # Taken in the same step as ``held``: a reservation made after it has a newer id than ``upto``.
         peak = None if book is None else (next(self._restates), book.shared_peak())
         upto = None if book is None else book.ledger.last_id

@@ -31,6 +31,7 @@ from gateway.tokens.cost import KvGeometry, RequestCost
 __all__ = ["AdmissionController", "Admitted", "Decision", "Queued", "Rejected", "UsageSample"]
 
 DEFAULT_ENGINE = ""  # the one engine of a pool of one
+QUEUE_SHOWN = 16  # queued requests a replica shows the others (they let them go before younger ones)
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,14 +430,15 @@ class AdmissionController:
             admitted.append((head, res))
         return admitted
 
-    def oldest_waiting(self, now: float) -> tuple[float, int] | None:
-        """The request at the head of the queue, the next to be admitted: (seconds it has waited, its blocks);
-        None with nothing queued. Other gateway replicas let it go before their younger requests."""
-        head = self.queue.peek()
-        if head is None:
-            return None
-        arrived = head.enqueued_at if head.arrived_at is None else head.arrived_at
-        return now - arrived, head.cost.blocks
+    def queued_first(self, now: float, count: int = QUEUE_SHOWN) -> tuple[tuple[float, int], ...]:
+        """The first ``count`` requests of the queue, in the order they would be admitted: (seconds each has
+        waited since it first arrived, its blocks). Other gateway replicas let them go before their younger
+        requests; more than the head, or a replica admitting a burst into freed room would take all of it but
+        the head's share."""
+        return tuple(
+            (now - (t.enqueued_at if t.arrived_at is None else t.arrived_at), t.cost.blocks)
+            for t in self.queue.in_order()[:count]
+        )
 
     def expire(self, now: float) -> list[Ticket]:
         return self.queue.expired(now)

@@ -138,13 +138,14 @@ return #KEYS
 # them: less what they showed of themselves in the latest of their samples no newer than that one (the
 # engine's counters order its samples), whole if none is. The sample before is there because the replicas'
 # scrapes interleave: half the time the other's latest is newer than this one's, its previous one older.
-# KEYS[4]: a hash (replica prefix -> "since blocks expiry": its oldest queued request, waiting since ``since``, ms
-# Redis time, needs ``blocks``; the entry lapses at ``expiry``). Another replica's queued request that has
-# waited longer than ``mine`` (ms Redis time; this replica's oldest waiting request, or the one it claims
-# for) counts as held: the engines serve the replicas' queues oldest first, as one queue, rather than each
-# replica refilling the room its own requests free. KEYS[5]: a hash (replica prefix -> "seq peak upto expiry":
-# the most its reservations up to id ``upto`` can hold at one future moment, as its own ledger projected them
-# decoding in lockstep when it took its restate number ``seq``; a restate older than the one stored is ignored).
+# KEYS[4]: a hash (replica prefix -> "expiry since blocks [since blocks ...]": the first requests of its queue,
+# each waiting since ``since``, ms Redis time, and needing ``blocks``; the entry lapses at ``expiry``). Another
+# replica's queued request that has waited longer than ``mine`` (ms Redis time; this replica's oldest waiting
+# request, or the one it claims for) counts as held: the engines serve the replicas' queues oldest first, as
+# one queue, rather than each replica refilling the room its own requests free. KEYS[5]: a hash (replica
+# prefix -> "seq peak upto expiry": the most its reservations up to id ``upto`` can hold at one future moment,
+# as its own ledger projected them decoding in lockstep when it took its restate number ``seq``; a restate
+# older than the one stored is ignored).
 # Weighed without a sample (whole claims), a replica with a live peak counts as that peak plus its members
 # above ``upto`` (claimed since), whole: its members up to ``upto`` are in the peak whether or not Redis still
 # has them, and a late or stale peak only counts for more. The sum over replicas of their peaks bounds the peak
@@ -165,14 +166,32 @@ local function older_heads(waiting, prefix, now, mine)
   local sum = 0
   local all = redis.call('HGETALL', waiting)
   for i = 1, #all, 2 do
-    local since, need, expiry = string.match(all[i + 1], '^(%S+) (%S+) (%S+)$')
+    local expiry, queued = string.match(all[i + 1], '^(%S+)(.*)$')
     if tonumber(expiry) <= now then
       redis.call('HDEL', waiting, all[i])
-    elseif all[i] ~= prefix and tonumber(since) < mine then
-      sum = sum + tonumber(need)
+    elseif all[i] ~= prefix then
+      for since, need in string.gmatch(queued, '(%S+) (%S+)') do
+        if tonumber(since) < mine then sum = sum + tonumber(need) end
+      end
     end
   end
   return sum
+end
+-- A claim granted: the queued request it was (the one nearest ``mine``, within 250 ms) waits no more.
+local function left_queue(waiting, prefix, mine)
+  local entry = redis.call('HGET', waiting, prefix)
+  if not entry then return end
+  local expiry, queued = string.match(entry, '^(%S+)(.*)$')
+  local nearest, gap = nil, 250
+  for since in string.gmatch(queued, '(%S+) %S+') do
+    if math.abs(tonumber(since) - mine) <= gap then nearest, gap = since, math.abs(tonumber(since) - mine) end
+  end
+  if not nearest then return end
+  local kept, dropped = expiry, false
+  for since, need in string.gmatch(queued, '(%S+) (%S+)') do
+    if since == nearest and not dropped then dropped = true else kept = kept .. ' ' .. since .. ' ' .. need end
+  end
+  redis.call('HSET', waiting, prefix, kept)
 end
 local function others(leases, blocks, sampled, peaks, prefix, now, process, tokens)
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
@@ -224,19 +243,19 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # Claim ``blocks`` for a new reservation if the other replicas' blocks, as this replica's sample sees them, and
 # their requests queued for longer than this one fit under ``limit`` (what this replica's own projection
 # leaves for them). ARGV: prefix, member, blocks, limit, lease ms, process, tokens, ms this request has waited.
-# A claim granted clears this replica's waiting entry (its next restate says what waits now). Returns
-# {claimed, others}.
+# A claim granted takes its request out of this replica's waiting entry. Returns {claimed, others}.
 _CLAIM = (
     _OTHERS
     + """
 local prefix, member, blocks, limit, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local mine = now - tonumber(ARGV[8])
 local sum = others(KEYS[1], KEYS[2], KEYS[3], KEYS[5], prefix, now, ARGV[6], tonumber(ARGV[7]))
-sum = sum + older_heads(KEYS[4], prefix, now, now - tonumber(ARGV[8]))
+sum = sum + older_heads(KEYS[4], prefix, now, mine)
 if sum > limit then return {0, sum} end
 redis.call('ZADD', KEYS[1], now + lease, member)
 redis.call('HSET', KEYS[2], member, blocks)
 redis.call('HDEL', KEYS[3], member)
-redis.call('HDEL', KEYS[4], prefix)
+left_queue(KEYS[4], prefix, mine)
 expire(lease)
 return {1, sum}
 """
@@ -244,22 +263,27 @@ return {1, sum}
 
 # Restate this replica's members: leases renewed, and how much of each its latest sample (process, tokens)
 # shows; 0 blocks removes one. ARGV: prefix, lease ms, everything (1: this replica's members not listed are
-# removed too), process, tokens, its oldest queued request ("waited-ms blocks ttl-ms", or '' for none: its
-# waiting entry is set to it), "seq peak" (its restate number and its reservations' peak, '' for none), the
-# newest reservation it knew of (the peak's ``upto``; with everything, a member of its not listed is removed
-# only up to that one: a claim made after the restate was taken, and landed before it, stays), then member,
-# blocks, shown triples. Returns the other replicas'
-# sum, with their requests queued for longer than this replica's oldest (or than a request arriving now).
+# removed too), process, tokens, the first requests of its queue ("ttl-ms waited-ms blocks [waited-ms blocks
+# ...]", or '' for none: its waiting entry is set to them), "seq peak" (its restate number and its
+# reservations' peak, '' for none), the newest reservation it knew of (the peak's ``upto``; with everything, a
+# member of its not listed is removed only up to that one: a claim made after the restate was taken, and
+# landed before it, stays), then member, blocks, shown triples. Returns the other replicas' sum, with their
+# requests queued for longer than this replica's oldest (or than a request arriving now).
 _RESTATE = (
     _OTHERS
     + """
 local prefix, lease, everything = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local process, tokens = ARGV[4], tonumber(ARGV[5])
 local mine = now
-local waited, need, ttl = string.match(ARGV[6], '^(%S+) (%S+) (%S+)$')
-if waited then
-  mine = now - tonumber(waited)
-  redis.call('HSET', KEYS[4], prefix, mine .. ' ' .. need .. ' ' .. (now + tonumber(ttl)))
+local ttl, queued = string.match(ARGV[6], '^(%S+)(.*)$')
+if ttl then
+  local entry = tostring(now + tonumber(ttl))
+  for waited, need in string.gmatch(queued, '(%S+) (%S+)') do
+    local since = now - tonumber(waited)
+    mine = math.min(mine, since)
+    entry = entry .. ' ' .. since .. ' ' .. need
+  end
+  redis.call('HSET', KEYS[4], prefix, entry)
 else
   redis.call('HDEL', KEYS[4], prefix)
 end
@@ -511,18 +535,20 @@ class RedisState:
         lease_s: float,
         everything: bool,
         mark: tuple[float, float] | None,
-        waiting: tuple[float, int, float] | None = None,
+        waiting: tuple[tuple[float, int], ...] = (),
         peak: tuple[int, int] | None = None,
         upto: int | None = None,
+        waiting_ttl_s: float = 2.0,
     ) -> int:
-        """``held``: member -> (blocks, of which the sample of ``mark`` shows); ``waiting``: this replica's oldest
-        queued request, (seconds it has waited, blocks, how long the entry lasts), or None for none;
+        """``held``: member -> (blocks, of which the sample of ``mark`` shows); ``waiting``: the first requests of
+        this replica's queue, (seconds waited, blocks) each, said for ``waiting_ttl_s``;
         ``peak``: (restate number, the most its reservations up to ``upto`` can hold at once), None for none;
         ``upto``: the newest reservation ``held`` and ``peak`` knew of (with ``everything``, members above it are
         not removed; None: all are)."""
         me = self.replica_id
         triples = [x for member, (blocks, shown) in held.items() for x in (f"{me}:{member}", blocks, shown)]
-        head = "" if waiting is None else f"{int(waiting[0] * 1000)} {waiting[1]} {int(waiting[2] * 1000)}"
+        queued = " ".join(f"{int(waited * 1000)} {blocks}" for waited, blocks in waiting)
+        head = f"{int(waiting_ttl_s * 1000)} {queued}" if waiting else ""
         args: list[str | int] = [
             f"{self.replica_id}:",
             int(lease_s * 1000),

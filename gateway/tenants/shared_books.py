@@ -15,7 +15,7 @@ last two samples showed how much of it (:class:`gateway.admission.engine.SampleM
 off what the latest of them no newer than its own sample showed; if both are newer it counts the claim whole,
 until a newer sample of its own.
 
-Each replica also says what its queue's oldest request has waited and needs, and a request queued for longer
+Each replica also says what the first requests of its queue have waited and need, and a request queued for longer
 at another replica counts as held: the replicas' queues are served oldest first, as one queue. Without it a
 replica refills at once the room its own requests free, while the others hear of that room a sample later,
 so whichever replica holds more of the engine keeps it, and the other's clients wait (or are refused).
@@ -65,22 +65,21 @@ class RedisEngineBooks:
         held: dict[str, tuple[int, int]],
         mark: SampleMark | None,
         everything: bool = False,
-        waiting: tuple[float, int] | None = None,
+        waiting: tuple[tuple[float, int], ...] = (),
         peak: tuple[int, int] | None = None,
         upto: int | None = None,
     ) -> int | None:
         """Set this replica's claims on ``engine``: (blocks, of which ``mark``'s sample shows) each, 0 blocks
         removes one; ``everything``: its claims not listed are removed too (up to ``upto``: one claimed after
         ``held`` was taken stays), so a claim re-added by a late restate lasts one sample, not a lease;
-        ``waiting``: its oldest queued request (seconds waited, blocks), None for none; ``peak``: (restate
+        ``waiting``: the first requests of its queue (seconds waited, blocks) each; ``peak``: (restate
         number, the most its reservations up to ``upto`` can hold at once). The other replicas' blocks as
         ``mark``'s sample sees them, with their requests queued for longer, or None."""
         if not self.redis.healthy:
             return None
-        head = None if waiting is None else (waiting[0], waiting[1], self.waiting_ttl_s)
         try:
             return await self.redis.restate_blocks(
-                engine, held, self.lease_s, everything, _mark(mark), head, peak, upto
+                engine, held, self.lease_s, everything, _mark(mark), waiting, peak, upto, self.waiting_ttl_s
             )
         except RedisUnavailable:
             return None

@@ -118,15 +118,15 @@ async def test_requests_queued_longer_at_another_replica_go_first(
     is cleared when b's own claim is granted, and lapses if b stops restating."""
     a, b = replicas
     now = SampleMark(PROCESS, 1000.0)
-    await b.restate(ENGINE, {"1": (30, 0)}, now, waiting=(5.0, 40))  # 30 blocks held, 40 wanted for 5 s
+    await b.restate(ENGINE, {"1": (30, 0)}, now, waiting=((5.0, 40),))  # 30 blocks held, 40 wanted for 5 s
     assert await a.restate(ENGINE, {}, now) == 30 + 40  # as a request arriving at a now weighs it
-    assert await a.restate(ENGINE, {}, now, waiting=(60.0, 8)) == 30  # a's own head waited longer
+    assert await a.restate(ENGINE, {}, now, waiting=((60.0, 8),)) == 30  # a's own head waited longer
     assert await a.claim(ENGINE, "2", 10, 50, now, waited_s=1.0) == (False, 70)  # younger: b's 40 come first
     assert await a.claim(ENGINE, "3", 10, 50, now, waited_s=60.0) == (True, 30)  # older: it goes first
     assert await b.claim(ENGINE, "4", 40, 100, now, waited_s=5.0) == (True, 10)  # b's head admitted ...
     assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 30 + 40  # ... and held as a claim, not as waiting
     short = RedisEngineBooks(b.redis, lease_s=60, waiting_ttl_s=0.5)  # b, with a word a test can outwait
-    await short.restate(ENGINE, {"1": (30, 0), "4": (40, 0)}, now, everything=True, waiting=(2.0, 25))
+    await short.restate(ENGINE, {"1": (30, 0), "4": (40, 0)}, now, everything=True, waiting=((2.0, 25),))
     assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 70 + 25
     await asyncio.sleep(1.0)  # b stopped restating: its queue's word lapses, its claims' leases do not yet
     assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 70
@@ -166,3 +166,18 @@ async def test_a_restate_taken_before_a_claim_and_landing_after_it_keeps_the_cla
     assert await a.restate(ENGINE, {}, None) == 20 + 25
     await b.restate(ENGINE, {"12": (20, 0)}, None, everything=True, upto=14)  # 14 ended too
     assert await a.restate(ENGINE, {}, None) == 20
+
+
+async def test_all_the_first_requests_of_another_replicas_queue_that_waited_longer_go_first(
+    replicas: tuple[RedisEngineBooks, RedisEngineBooks],
+) -> None:
+    """Not only the head: a replica admitting a burst into room it freed would take all of it but the head's
+    share. Each of b's first queued requests that waited longer than a's counts as held; one of b's that is
+    granted its claim leaves the queue b showed."""
+    a, b = replicas
+    await b.restate(ENGINE, {}, None, waiting=((5.0, 10), (4.0, 20), (1.0, 30)))
+    assert await a.claim(ENGINE, "1", 5, 100, None, waited_s=2.0) == (True, 10 + 20)
+    assert await a.claim(ENGINE, "2", 5, 100, None, waited_s=4.5) == (True, 10)
+    assert await a.claim(ENGINE, "3", 5, 29, None, waited_s=2.0) == (False, 30)
+    assert await b.claim(ENGINE, "9", 10, 100, None, waited_s=5.0) == (True, 10)  # b's oldest: admitted
+    assert await a.restate(ENGINE, {"1": (5, 0), "2": (5, 0)}, None) == 10 + 20 + 30  # its claim, and the rest

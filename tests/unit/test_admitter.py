@@ -236,7 +236,7 @@ class RecordingBooks:
     def __init__(self) -> None:
         self.claims: list[tuple[str, int, SampleMark | None]] = []
         self.restates: list[tuple[dict[str, tuple[int, int]], SampleMark | None, bool]] = []
-        self.waiting: list[tuple[float, int] | None] = []  # what each restate said of the queue's head
+        self.waiting: list[tuple[tuple[float, int], ...]] = []  # what each restate said of the queue
         self.peaks: list[tuple[tuple[int, int] | None, int | None]] = []
 
     async def claim(
@@ -251,7 +251,7 @@ class RecordingBooks:
         held: dict[str, tuple[int, int]],
         mark: SampleMark | None,
         everything: bool = False,
-        waiting: tuple[float, int] | None = None,
+        waiting: tuple[tuple[float, int], ...] = (),
         peak: tuple[int, int] | None = None,
         upto: int | None = None,
     ) -> int | None:
@@ -303,7 +303,7 @@ class AnsweringBooks(RecordingBooks):
         held: dict[str, tuple[int, int]],
         mark: SampleMark | None,
         everything: bool = False,
-        waiting: tuple[float, int] | None = None,
+        waiting: tuple[tuple[float, int], ...] = (),
         peak: tuple[int, int] | None = None,
         upto: int | None = None,
     ) -> int | None:
@@ -382,7 +382,7 @@ async def test_a_request_queued_again_after_a_refused_claim_keeps_its_age_for_th
     admitter.scrape_started()
     admitter.sample(UsageSample(0.8, 4.0))
     await asyncio.sleep(0)
-    assert books.waiting[-1] == (4.0, 20)  # waited since 0 s, not since 3 s
+    assert books.waiting[-1] == ((4.0, 20),)  # waited since 0 s, not since 3 s
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
@@ -447,7 +447,7 @@ async def test_a_stream_that_outgrows_its_estimate_is_restated_even_while_a_rest
             held: dict[str, tuple[int, int]],
             mark: SampleMark | None,
             everything: bool = False,
-            waiting: tuple[float, int] | None = None,
+            waiting: tuple[tuple[float, int], ...] = (),
             peak: tuple[int, int] | None = None,
             upto: int | None = None,
         ) -> int | None:
