@@ -437,7 +437,7 @@ class AdmissionController:
         the head's share."""
         return tuple(
             (now - (t.enqueued_at if t.arrived_at is None else t.arrived_at), t.cost.blocks)
-            for t in self.queue.in_order()[:count]
+            for t in self.queue.in_order(first=count)
         )
 
     def expire(self, now: float) -> list[Ticket]:

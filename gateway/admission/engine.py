@@ -195,16 +195,16 @@ class EngineBook:
             ours = ledger.peak_blocks(slack_blocks=int(BOUND_SLACK * self.geometry.num_blocks))
         else:
             ours = ledger.reserved_blocks
-        assert self.sample is not None
-        # Whatever the sample shows beyond what we know to be ours belongs to someone else.
-        external = max(0, round(self.sample.usage * self.geometry.num_blocks) - ledger.in_sample_blocks)
-        if self.config.exclusive_upstream and self.others_blocks is not None:
-            if self.shared:
-                # The claims may miss a replica that lost Redis, or claims a restarted Redis forgot; they show in
-                # the sample, beyond all that this replica may have there (a non-streamed request does not say).
-                floor = round(self.sample.usage * self.geometry.num_blocks) - ledger.reserved_blocks
-                return ours + extra_blocks + max(others, floor)
+        if self.config.exclusive_upstream and not self.shared:
             return ours + extra_blocks + others
+        assert self.sample is not None
+        sampled = round(self.sample.usage * self.geometry.num_blocks)
+        if self.config.exclusive_upstream and self.others_blocks is not None:
+            # The claims may miss a replica that lost Redis, or claims a restarted Redis forgot; they show in the
+            # sample, beyond all that this replica may have there (a non-streamed request does not say).
+            return ours + extra_blocks + max(others, sampled - ledger.reserved_blocks)
+        # Whatever the sample shows beyond what we know to be ours belongs to someone else.
+        external = max(0, sampled - ledger.in_sample_blocks)
         return external + ours + extra_blocks + others
 
     def fits(self, blocks: int, now: float) -> float | None:

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -160,6 +161,10 @@ class _Class:
         return max(tails, key=lambda t: (t.finish, t.id), default=None)
 
 
+def _serving_order(t: Ticket) -> tuple[int, float, int]:
+    return (t.priority, t.start, t.id)
+
+
 class AdmissionQueue:
     """Bounded in tickets and in the request bytes they hold, so client input cannot grow it without limit."""
 
@@ -276,9 +281,11 @@ class AdmissionQueue:
             and not (t.tenant == tenant and t.priority == priority and not t.retry)
         )
 
-    def in_order(self) -> list[Ticket]:
-        """Every waiting ticket in the order it would be served if nothing else arrived."""
-        return sorted(self._by_id.values(), key=lambda t: (t.priority, t.start, t.id))
+    def in_order(self, first: int | None = None) -> list[Ticket]:
+        """Every waiting ticket (or the ``first`` ones) in the order it would be served if nothing else arrived."""
+        if first is not None:  # without sorting the whole queue: a replica restates its front at every release
+            return heapq.nsmallest(first, self._by_id.values(), key=_serving_order)
+        return sorted(self._by_id.values(), key=_serving_order)
 
     def expired(self, now: float) -> list[Ticket]:
         """Remove and return every ticket whose deadline has passed."""

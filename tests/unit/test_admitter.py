@@ -4,6 +4,7 @@ never leak a reservation, and never release one twice."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -291,23 +292,12 @@ class AnsweringBooks(RecordingBooks):
         super().__init__()
         self.others = others
 
-    async def claim(
-        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
-    ) -> tuple[bool, int] | None:
-        await super().claim(engine, member, blocks, limit, mark, waited_s)
+    async def claim(self, engine: str, member: str, blocks: int, limit: int, *rest: Any) -> tuple[bool, int] | None:
+        await super().claim(engine, member, blocks, limit, *rest)
         return None if self.others is None else (self.others <= limit, self.others)
 
-    async def restate(
-        self,
-        engine: str,
-        held: dict[str, tuple[int, int]],
-        mark: SampleMark | None,
-        everything: bool = False,
-        waiting: tuple[tuple[float, int], ...] = (),
-        peak: tuple[int, int] | None = None,
-        upto: int | None = None,
-    ) -> int | None:
-        await super().restate(engine, held, mark, everything, waiting, peak, upto)
+    async def restate(self, *args: Any, **kwargs: Any) -> int | None:
+        await super().restate(*args, **kwargs)
         return self.others
 
 
@@ -362,11 +352,9 @@ async def test_a_request_queued_again_after_a_refused_claim_keeps_its_age_for_th
     clock = Clock()
 
     class SlowRefusingBooks(AnsweringBooks):
-        async def claim(
-            self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
-        ) -> tuple[bool, int] | None:
+        async def claim(self, *args: Any) -> tuple[bool, int] | None:
             clock.now += 3.0  # the other replica took the room meanwhile
-            await super().claim(engine, member, blocks, limit, mark, waited_s)
+            await super().claim(*args)
             return False, 80
 
     books = SlowRefusingBooks(0)
@@ -396,11 +384,9 @@ async def test_a_replica_tells_the_others_the_peak_of_its_reservations_and_which
     gate = asyncio.Event()
 
     class SlowBooks(RecordingBooks):
-        async def claim(
-            self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
-        ) -> tuple[bool, int] | None:
+        async def claim(self, *args: Any) -> tuple[bool, int] | None:
             await gate.wait()
-            return await super().claim(engine, member, blocks, limit, mark, waited_s)
+            return await super().claim(*args)
 
     books = SlowBooks()
     clock = Clock()
@@ -441,18 +427,9 @@ async def test_a_stream_that_outgrows_its_estimate_is_restated_even_while_a_rest
     landed = asyncio.Event()
 
     class SlowRestates(RecordingBooks):
-        async def restate(
-            self,
-            engine: str,
-            held: dict[str, tuple[int, int]],
-            mark: SampleMark | None,
-            everything: bool = False,
-            waiting: tuple[tuple[float, int], ...] = (),
-            peak: tuple[int, int] | None = None,
-            upto: int | None = None,
-        ) -> int | None:
+        async def restate(self, *args: Any, **kwargs: Any) -> int | None:
             await landed.wait()
-            return await super().restate(engine, held, mark, everything, waiting, peak, upto)
+            return await super().restate(*args, **kwargs)
 
     books = SlowRestates()
     clock = Clock()
