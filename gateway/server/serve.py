@@ -14,7 +14,7 @@ import uvicorn
 from gateway.config import ConfigError, GatewayConfig, load_config
 from gateway.logs import configure_logging
 from gateway.server.app import Gateway
-from gateway.server.http_server import guarded_protocol
+from gateway.server.http_server import configured_protocol
 from gateway.tokens.resolve import load_explicit
 from gateway.tokens.tokenizers import TokenizerUnavailable
 
@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
 def uvicorn_config(gateway: Gateway, config: GatewayConfig) -> uvicorn.Config:
     """How the client side is served (``listen``).
 
-    * Read deadlines for a request's head and body (slowloris): ``GuardedHttpProtocol``, httptools only.
+    * kvgate's own HTTP/1.1 protocol (``HttpProtocol``): leaner than uvicorn's, with read deadlines for a
+      request's head and body (slowloris).
     * ``keepalive_timeout_s``: uvicorn closes a keep-alive connection idle for that long.
     * ``max_connections``: uvicorn's ``limit_concurrency``. It still accepts every connection, but answers a
       request with ``503`` + ``Connection: close`` (not from the app, so no Retry-After, no metrics) while the
@@ -112,7 +113,7 @@ def uvicorn_config(gateway: Gateway, config: GatewayConfig) -> uvicorn.Config:
         host=listen.host,
         port=listen.port,
         loop="uvloop" if _has("uvloop") else "asyncio",
-        http=guarded_protocol(listen),
+        http=configured_protocol(listen),
         ws="none",
         limit_concurrency=listen.max_connections + 1,
         timeout_keep_alive=listen.keepalive_timeout_s,  # type: ignore[arg-type]  # typed int, used as a float

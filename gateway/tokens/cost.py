@@ -116,9 +116,11 @@ def estimate_cost(
     geometry: KvGeometry,
     high_watermark: float,
     min_tokens: int = 0,
+    prompt_high: tuple[int, ...] | None = None,
 ) -> RequestCost:
     """Turn token counts into a block reservation, rejecting what the engine could never serve: a prompt
-    longer than the context (vLLM's own 400), or a request larger than the pool may ever hold."""
+    longer than the context (vLLM's own 400), or a request larger than the pool may ever hold.
+    ``prompt_high``: the counts are an estimate, and these are the prompts at their most."""
     longest = max(prompt_tokens, default=0)
     generates = max_tokens != 0  # pooling and scoring requests produce no tokens and may fill the context
     if max_model_len is not None and (longest > max_model_len or (generates and longest >= max_model_len)):
@@ -144,4 +146,6 @@ def estimate_cost(
         )
     uniform = all(o == output for o in outputs)
     floor = min(min_tokens, output)
-    return RequestCost(prompt_tokens, sequences_per_prompt, output, blocks, None if uniform else outputs, floor)
+    return RequestCost(
+        prompt_tokens, sequences_per_prompt, output, blocks, None if uniform else outputs, floor, prompt_high
+    )

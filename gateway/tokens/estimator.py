@@ -20,7 +20,6 @@ conversations that come near the context limit are not tokenized again at every 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -184,9 +183,15 @@ class CostEstimator:
             return None
         if error_tokens > self.max_error_share * geometry.num_blocks * geometry.block_size:
             return None
-        return dataclasses.replace(self._price(request, reserved, geometry), prompt_high=highs)
+        return self._price(request, reserved, geometry, prompt_high=highs)
 
-    def _price(self, request: InferenceRequest, prompt_tokens: tuple[int, ...], geometry: KvGeometry) -> RequestCost:
+    def _price(
+        self,
+        request: InferenceRequest,
+        prompt_tokens: tuple[int, ...],
+        geometry: KvGeometry,
+        prompt_high: tuple[int, ...] | None = None,
+    ) -> RequestCost:
         return estimate_cost(
             prompt_tokens,
             max_tokens=request.max_tokens,
@@ -195,4 +200,5 @@ class CostEstimator:
             geometry=geometry,
             high_watermark=self._high_watermark,
             min_tokens=request.min_tokens,
+            prompt_high=prompt_high,
         )

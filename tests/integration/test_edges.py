@@ -91,8 +91,8 @@ def test_partial_body_is_closed_with_408(fast_gateway: str) -> None:
 
 
 def test_body_finished_after_an_early_response_then_silence_is_closed(fast_gateway: str) -> None:
-    """The app answers before the body is in (405 here); the rest of the body then cancels uvicorn's keep-alive
-    timer, which nothing re-arms: without a body deadline the silent connection stays open for good."""
+    """The app answers before the body is in (405 here, as a 401 or a 413 would be): the rest of the body is not
+    read, and the connection closes after the answer rather than staying open for good."""
     sock = connect(fast_gateway)
     sock.sendall(b"POST /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n0123456789")
     assert status(read_response_head(sock)) == 405

@@ -1,0 +1,274 @@
+"""kvgate's HTTP/1.1 server protocol over real sockets, in-process: framing, keep-alive, pipelining, HEAD,
+HTTP/1.0, ``Expect: 100-continue``, flow control of a large body, a head written with its body, response
+splitting refused, a dropped connection told to the request. The deadlines (slowloris) are covered through the
+whole gateway in ``tests/integration/test_edges.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from uvicorn.config import Config
+from uvicorn.server import ServerState
+
+from gateway.config import ListenConfig
+from gateway.server.disconnect import connection_loss
+from gateway.server.http_server import configured_protocol
+
+App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+
+
+class Served:
+    """A listening socket served by the protocol, and what the app saw."""
+
+    def __init__(self) -> None:
+        self.scopes: list[dict[str, Any]] = []
+        self.bodies: list[bytes] = []
+        self.port = 0
+        self.state = ServerState()
+
+    async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", self.port)
+
+
+async def echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Reads the whole body, answers it back with a content-length."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def serve(app: App, **listen: float) -> AsyncIterator[Served]:
+    served = Served()
+
+    async def recording(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        served.scopes.append(scope)
+        await app(scope, receive, send)
+
+    config = Config(recording, lifespan="off", timeout_keep_alive=30, proxy_headers=False)
+    config.load()
+    protocol = configured_protocol(ListenConfig(**listen))
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: protocol(config, served.state, {}), "127.0.0.1", 0)
+    served.port = server.sockets[0].getsockname()[1]
+    try:
+        yield served
+    finally:
+        server.close()
+        for connection in list(served.state.connections):
+            connection.shutdown()
+        await server.wait_closed()
+
+
+@pytest.fixture
+async def echo_server() -> AsyncIterator[Served]:
+    async for served in serve(echo):
+        yield served
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    """One response: status line, headers (lower-case names), body by content-length or chunks."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status, *lines = head[:-4].split(b"\r\n")
+    headers = dict(line.split(b": ", 1) for line in lines)
+    headers = {name.lower(): value for name, value in headers.items()}
+    if b"content-length" in headers:
+        return status, headers, await reader.readexactly(int(headers[b"content-length"]))
+    if headers.get(b"transfer-encoding") == b"chunked":
+        body = b""
+        while size := int((await reader.readuntil(b"\r\n"))[:-2], 16):
+            body += (await reader.readexactly(size + 2))[:-2]
+        await reader.readexactly(2)
+        return status, headers, body
+    return status, headers, await reader.read()
+
+
+def post(body: bytes, path: bytes = b"/echo", extra: bytes = b"") -> bytes:
+    return b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%b\r\n%b" % (path, len(body), extra, body)
+
+
+async def test_keep_alive_connection_serves_requests_in_turn(echo_server: Served) -> None:
+    reader, writer = await echo_server.connect()
+    for body in (b"one", b"", b"three" * 1000):
+        writer.write(post(body))
+        status, headers, answer = await read_response(reader)
+        assert status == b"HTTP/1.1 200 OK"
+        assert answer == body
+        assert b"connection" not in headers
+    assert len(echo_server.state.connections) == 1
+    writer.close()
+
+
+async def test_scope_carries_path_query_and_connection_loss(echo_server: Served) -> None:
+    reader, writer = await echo_server.connect()
+    writer.write(b"GET /v1/a%20b?x=1&y=2 HTTP/1.1\r\nHost: x\r\nX-Thing: Yes\r\n\r\n")
+    await read_response(reader)
+    scope = echo_server.scopes[0]
+    assert (scope["method"], scope["path"], scope["raw_path"], scope["query_string"]) == (
+        "GET",
+        "/v1/a b",
+        b"/v1/a%20b",
+        b"x=1&y=2",
+    )
+    assert (b"x-thing", b"Yes") in scope["headers"]
+    assert scope["client"][0] == "127.0.0.1"
+    assert connection_loss(scope) is not None
+    writer.close()
+
+
+async def test_pipelined_requests_are_answered_in_order(echo_server: Served) -> None:
+    reader, writer = await echo_server.connect()
+    writer.write(b"".join(post(b"%d" % i) for i in range(5)))
+    answers = [(await read_response(reader))[2] for _ in range(5)]
+    assert answers == [b"0", b"1", b"2", b"3", b"4"]
+    writer.close()
+
+
+async def test_large_body_is_read_whole_under_flow_control(echo_server: Served) -> None:
+    body = bytes(range(256)) * 4096  # 1 MiB: reading pauses and resumes many times
+    reader, writer = await echo_server.connect()
+    writer.write(post(body))
+    assert (await read_response(reader))[2] == body
+    writer.close()
+
+
+async def test_expect_100_continue_is_answered_when_the_body_is_read(echo_server: Served) -> None:
+    reader, writer = await echo_server.connect()
+    writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+    assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"hello")
+    assert (await read_response(reader))[2] == b"hello"
+    writer.close()
+
+
+async def test_http_1_0_gets_its_answer_then_the_close() -> None:
+    async def no_length(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"abc", "more_body": True})
+        await send({"type": "http.response.body", "body": b"def"})
+
+    async for served in serve(no_length):
+        reader, writer = await served.connect()
+        writer.write(b"GET / HTTP/1.0\r\n\r\n")
+        raw = await reader.read()  # until the close: no chunked encoding in HTTP/1.0
+        assert raw.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert b"transfer-encoding" not in raw
+        assert raw.endswith(b"connection: close\r\n\r\nabcdef")
+
+
+async def test_streamed_response_is_chunked_and_head_goes_out_with_the_first_chunk() -> None:
+    first_read: list[bytes] = []
+
+    async def stream(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await asyncio.sleep(0.05)
+        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async for served in serve(stream):
+        reader, writer = await served.connect()
+        writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")
+        first_read.append(await reader.read(65536))  # the head and the first event: one write, one read
+        assert first_read[0].endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n")
+        assert b"transfer-encoding: chunked\r\n" in first_read[0]
+        rest = await reader.readuntil(b"0\r\n\r\n")
+        assert rest == b"9\r\ndata: 2\n\n\r\n0\r\n\r\n"
+        writer.close()
+
+
+async def test_a_head_with_no_body_behind_it_still_goes_out() -> None:
+    release = asyncio.Event()
+
+    async def slow_body(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await release.wait()
+        await send({"type": "http.response.body", "body": b"late"})
+
+    async for served in serve(slow_body):
+        reader, writer = await served.connect()
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)  # not held for the body
+        assert head.startswith(b"HTTP/1.1 200 OK")
+        release.set()
+        assert await reader.readuntil(b"0\r\n\r\n") == b"4\r\nlate\r\n0\r\n\r\n"
+        writer.close()
+
+
+async def test_head_request_gets_headers_and_no_body(echo_server: Served) -> None:
+    reader, writer = await echo_server.connect()
+    writer.write(b"HEAD /x HTTP/1.1\r\nHost: x\r\n\r\n" + post(b"after"))
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert b"content-length: 0" in head
+    assert (await read_response(reader))[2] == b"after"  # nothing of a body came in between
+    writer.close()
+
+
+async def test_header_value_with_a_line_break_is_refused_not_sent() -> None:
+    async def splitting(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = [(b"x-evil", b"a\r\nset-cookie: b"), (b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+    async for served in serve(splitting):
+        reader, writer = await served.connect()
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, body = await read_response(reader)
+        assert status == b"HTTP/1.1 500 Internal Server Error"
+        assert b"set-cookie" not in body
+
+
+async def test_invalid_request_gets_400_and_close(echo_server: Served) -> None:
+    reader, writer = await echo_server.connect()
+    writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+    raw = await reader.read()
+    assert raw.startswith(b"HTTP/1.1 400 ")
+    assert echo_server.scopes == []
+
+
+async def test_app_that_fails_before_answering_gets_500() -> None:
+    async def failing(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        raise ValueError("boom")
+
+    async for served in serve(failing):
+        reader, writer = await served.connect()
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.read()).startswith(b"HTTP/1.1 500 ")
+
+
+async def test_dropped_connection_is_told_to_the_request() -> None:
+    told = asyncio.Event()
+    started = asyncio.Event()
+
+    async def waiting(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert (await receive())["type"] == "http.request"
+        started.set()
+        assert (await receive())["type"] == "http.disconnect"  # nothing more comes until the client is gone
+        told.set()
+
+    async for served in serve(waiting):
+        _reader, writer = await served.connect()
+        writer.write(post(b"x"))
+        await asyncio.wait_for(started.wait(), timeout=30)
+        writer.close()
+        await asyncio.wait_for(told.wait(), timeout=30)
+        assert served.state.connections == set()
+
+
+async def test_answer_before_the_body_is_in_closes_the_connection(echo_server: Served) -> None:
+    async def early(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    async for served in serve(early):
+        reader, writer = await served.connect()
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"x" * 10)
+        raw = await reader.read()  # the answer, then the close: the other 99,990 bytes are never read
+        assert raw.startswith(b"HTTP/1.1 401 ")
+        assert raw.endswith(b"connection: close\r\n\r\n")
