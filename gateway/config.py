@@ -63,7 +63,12 @@ class ListenConfig(_Model):
     header_timeout_s: float = Field(
         10.0, gt=0, description="A connection must send a request's whole head within this long (slowloris)."
     )
-    body_timeout_s: float = Field(30.0, gt=0, description="Longest silence while a request body is being received.")
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest silence while a request body is being received, or while a client takes nothing "
+        "of its response (then it is cut off).",
+    )
     keepalive_timeout_s: float = Field(30.0, gt=0, description="An idle keep-alive connection is closed after this.")
     max_connections: int = Field(
         4096, ge=1, description="Connections (and requests) served at once; beyond it new ones get 503."

@@ -29,7 +29,7 @@ CONNECTION_LOSS = "kvgate.connection_loss"  # the scope extension: {"loss": Conn
 
 
 class ConnectionLoss:
-    """One client connection's drop, told to the request being served on it (one at a time: uvicorn runs a
+    """One client connection's drop, told to the request being served on it (one at a time: the protocol runs a
     connection's requests in turn). Spares each request a watcher task parked in ``receive()``: creating,
     waking and ending that task was about a tenth of the gateway's own CPU per request (15 of 152 us)."""
 
@@ -94,8 +94,8 @@ class DisconnectWatch:
 
     def stop(self) -> None:
         """The request is over. A watcher whose response went out whole ends by itself: the server answers its
-        pending ``receive()`` with ``http.disconnect`` once the response is complete (ASGI; uvicorn sets its
-        message event then). Cancelling it instead would leave its CancelledError's traceback, ~27 objects in
+        pending ``receive()`` with ``http.disconnect`` once the response is complete (ASGI; kvgate's protocol and
+        uvicorn's both do). Cancelling it instead would leave its CancelledError's traceback, ~27 objects in
         reference cycles, to the garbage collector on every request."""
         if self._loss is not None and self._loss.watch is self:
             self._loss.watch = None

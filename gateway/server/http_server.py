@@ -1,9 +1,11 @@
 """kvgate's client-facing HTTP/1.1 server protocol: ASGI over httptools, with read deadlines (slowloris).
 
 uvicorn still runs the server (sockets, lifespan, signals, graceful shutdown); only its per-connection protocol
-is replaced, through ``uvicorn.Config(http=...)``. Why: uvicorn's protocol cost ~0.055 ms of CPU per request
-more than this one for the same ASGI app (``python3 -m loadtests.bench_http_server``), a sixth of kvgate's
-whole cost per request, and the hot path is measured against a Rust router. What this one does differently:
+is replaced, through ``uvicorn.Config(http=...)``. Why: CPU per request, which is measured against a Rust
+router (``loadtests/bench_routers.py``). Serving the same minimal ASGI app, uvicorn's protocol cost ~0.079 ms
+per request and this one ~0.062; the whole gateway costs 4-10% less with it (``loadtests/bench_builds.py``).
+It also stops depending on uvicorn's private per-request state, which the read deadlines used to read.
+What it does differently:
 
 * a response's head goes out with its first body chunk, in one write (uvicorn writes them apart: two sends,
   two segments to the client); a head with no body behind it within the same loop iteration goes out alone;
@@ -16,20 +18,31 @@ Deadlines (uvicorn has no limit on how long a client may take to send a request)
 
 * head: a request's whole head must arrive within ``header_timeout_s`` of the connection opening (first
   request) or of its own first byte (later ones);
-* body: while a body is being received, no byte for longer than ``body_timeout_s`` ends it. Silence that is
-  ours does not count: reading paused by flow control, or ``Expect: 100-continue`` not yet answered. A slow
-  but steady body is never cut;
+* body: while a body is being received, no body byte for longer than ``body_timeout_s`` ends it. Silence
+  that is ours does not count: reading paused by flow control, ``Expect: 100-continue`` not yet answered, a
+  pipelined request waiting its turn. A slow but steady body is never cut;
 * keep-alive: a connection idle between requests for ``keepalive_timeout_s`` is closed.
 
 On a head or body deadline the connection is closed, after a ``408`` when part of a request arrived and no
 response to it has started. While a response is owed nothing is timed: it takes as long as the engine takes.
 
-Also: pipelined requests are served in turn (reading pauses behind them); ``Expect: 100-continue`` is answered
-when the app first reads the body; an ``Upgrade`` request (websocket, h2c) is served as plain HTTP and the
-connection closed after its answer (the parser stops at an upgrade, so whatever followed the head is lost);
-beyond uvicorn's ``limit_concurrency`` (``max_connections``) a request gets ``503`` and the connection closes;
-a connection's drop is told to the request it is serving through :class:`~gateway.server.disconnect.ConnectionLoss`
-(the scope extension ``kvgate.connection_loss``), so no request parks a task in ``receive()`` to hear of it.
+Limits on what a client can make the server hold:
+
+* a request head (or trailers, or chunk extensions: anything that is not body) past ``MAX_STALL_BYTES``:
+  ``431`` (``400``) and close; trailers are not kept;
+* at most ``MAX_PIPELINED`` complete requests queue behind the one being answered; past that no more are
+  read, and the connection closes once the queued ones are answered;
+* a client that takes nothing of its response for ``body_timeout_s`` is cut off (its request is cancelled),
+  and so is one that leaves unread what was written before a close.
+
+Also: pipelined requests are answered in turn (reading pauses behind them); ``Expect: 100-continue`` is
+answered when the app first reads the body; an answer sent before its request's body is in says
+``connection: close`` and the rest is not read; an ``Upgrade`` request (websocket, h2c) is served as plain HTTP
+and the connection closed after its answer (the parser stops at an upgrade), and one that declares a body is
+refused (``400``: the app would see an empty one); beyond uvicorn's ``limit_concurrency`` (``max_connections``)
+a request gets ``503`` and the connection closes. A connection's drop is told to the request it is serving
+through :class:`~gateway.server.disconnect.ConnectionLoss` (the scope extension ``kvgate.connection_loss``), so no
+request parks a task in ``receive()`` to hear of it.
 """
 
 from __future__ import annotations
@@ -47,196 +60,21 @@ from uvicorn.server import ServerState
 
 from gateway.config import ListenConfig
 from gateway.server.disconnect import CONNECTION_LOSS, ConnectionLoss
+from gateway.server.http_cycle import RequestCycle, plain_response
 
 log = logging.getLogger("kvgate")
 
 _NEVER = float("inf")
-_HIGH_WATER = 65536  # request body bytes buffered, not yet taken by the app, before reading pauses
-_DISCONNECT: dict[str, Any] = {"type": "http.disconnect"}
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_HIGH_WATER = 65536  # request body bytes received, not yet taken by the app, before reading pauses
+# Bytes a connection may send without progress (a complete head, a piece of body) before it is cut off: bounds a
+# head's size (431), and trailers or chunk extensions (400). httptools joins a header value a piece at a time,
+# so an unbounded one costs the event loop time that grows with its square.
+MAX_STALL_BYTES = 65536
+MAX_PIPELINED = 16  # complete requests queued behind the one being answered; more: the connection closes after them
 
 
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = http.HTTPStatus(status).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (status, phrase)
-
-
-STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
-
-
-def plain_response(status: int, text: bytes, server_headers: bytes = b"") -> bytes:
-    """A whole ``text/plain`` response that closes the connection: what the server itself answers."""
-    return b"".join(
-        [
-            STATUS_LINE[status],
-            server_headers,
-            b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(text),
-            text,
-        ]
-    )
-
-
-class _Cycle:
-    """One request and its response: the ASGI ``receive`` and ``send`` of one request."""
-
-    __slots__ = (
-        "body",
-        "body_complete",
-        "body_size",
-        "chunked",
-        "delivered",
-        "disconnected",
-        "expect_continue",
-        "head",
-        "head_only",
-        "keep_alive",
-        "protocol",
-        "remaining",
-        "response_complete",
-        "response_started",
-        "scope",
-        "waiter",
-    )
-
-    def __init__(self, protocol: HttpProtocol, scope: dict[str, Any], keep_alive: bool, expect_continue: bool) -> None:
-        self.protocol = protocol
-        self.scope = scope
-        self.keep_alive = keep_alive
-        self.expect_continue = expect_continue
-        self.body: list[bytes] = []
-        self.body_size = 0
-        self.body_complete = False
-        self.delivered = False  # the last body message went to the app
-        self.waiter: asyncio.Future[None] | None = None  # the app waits in receive()
-        self.disconnected = False
-        self.response_started = False
-        self.response_complete = False
-        self.head: bytes | None = None  # the response head, until it goes out with the first body chunk
-        self.head_only = False  # HEAD, 204, 304: no body on the wire
-        self.chunked = False
-        self.remaining = 0  # bytes still owed under content-length
-
-    def wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    async def receive(self) -> dict[str, Any]:
-        protocol = self.protocol
-        while True:
-            if self.disconnected or self.response_complete:
-                return _DISCONNECT
-            if not self.delivered and (self.body or self.body_complete):
-                body = b"".join(self.body)
-                self.body.clear()
-                self.body_size = 0
-                self.delivered = self.body_complete
-                if protocol.read_paused and protocol.pipeline_empty():
-                    protocol.resume_reading()
-                return {"type": "http.request", "body": body, "more_body": not self.body_complete}
-            if self.expect_continue:
-                self.expect_continue = False
-                if not protocol.transport.is_closing():
-                    protocol.transport.write(_CONTINUE)
-            if protocol.read_paused and protocol.pipeline_empty():
-                protocol.resume_reading()
-            self.waiter = protocol.loop.create_future()
-            await self.waiter
-
-    async def send(self, message: dict[str, Any]) -> None:
-        protocol = self.protocol
-        if protocol.write_paused and not self.disconnected:
-            await protocol.drain()
-        if self.disconnected:
-            return
-        kind = message["type"]
-        if not self.response_started:
-            if kind != "http.response.start":
-                raise RuntimeError(f"Expected ASGI message 'http.response.start', but got {kind!r}.")
-            self.head = self._head(message["status"], message.get("headers", ()))
-            self.response_started = True
-            self.expect_continue = False
-            protocol.loop.call_soon(self._flush_head)  # no body right behind it: the head goes out alone
-        elif not self.response_complete:
-            if kind != "http.response.body":
-                raise RuntimeError(f"Expected ASGI message 'http.response.body', but got {kind!r}.")
-            body: bytes = message.get("body", b"")
-            more: bool = message.get("more_body", False)
-            if self.head_only:
-                body = b""
-            elif self.chunked:
-                if body:
-                    body = b"%x\r\n%b\r\n" % (len(body), body)
-                if not more:
-                    body += b"0\r\n\r\n"
-            elif self.remaining >= 0:
-                self.remaining -= len(body)
-                if self.remaining < 0 or (self.remaining and not more):
-                    protocol.transport.close()  # the framing the head promised cannot be kept
-                    raise RuntimeError("Response content does not match its Content-Length.")
-            head = self.head
-            if head is not None:
-                self.head = None
-                protocol.transport.writelines((head, body))
-            elif body:
-                protocol.transport.write(body)
-            if not more:
-                self.response_complete = True
-                self.wake()
-                protocol.response_done(self)
-        else:
-            raise RuntimeError(f"Unexpected ASGI message {kind!r} sent, after the response was complete.")
-
-    def _flush_head(self) -> None:
-        head = self.head
-        if head is not None and not self.disconnected:
-            self.head = None
-            self.protocol.transport.write(head)
-
-    def _head(self, status: int, headers: Any) -> bytes:
-        server_headers, server_lines = self.protocol.server_headers()
-        lines = [STATUS_LINE[status], server_headers]
-        framed = closes = False
-        for name, value in headers:
-            lines.append(b"%b: %b\r\n" % (name, value))
-            lower = name.lower()
-            if lower == b"content-length":
-                if not framed:
-                    self.remaining = int(value)
-                    framed = True
-            elif lower == b"transfer-encoding":
-                if value.lower() == b"chunked":
-                    self.chunked = True
-                    framed = True
-            elif lower == b"connection" and b"close" in value.lower():
-                closes = True
-        self.head_only = self.scope["method"] == "HEAD" or status in (204, 304)
-        if not framed and not self.head_only:
-            if self.scope["http_version"] == "1.0":  # no chunked encoding in HTTP/1.0: the close ends the body
-                self.keep_alive = False
-                self.remaining = -1
-            else:
-                self.chunked = True
-                lines.append(b"transfer-encoding: chunked\r\n")
-        if not self.body_complete:
-            self.keep_alive = False  # answered before its body is in (401, 413...): the rest is not read
-        if closes:
-            self.keep_alive = False
-        elif not self.keep_alive:
-            lines.append(b"connection: close\r\n")
-        lines.append(b"\r\n")
-        head = b"".join(lines)
-        # A CR or LF inside a name or value would split the head (response splitting): counting checks them
-        # all at once. Every line but the server's block ends in one CRLF; that block holds server_lines.
-        newlines = len(lines) - 1 + server_lines
-        if head.count(b"\n") != newlines or head.count(b"\r") != newlines:
-            raise RuntimeError("Invalid HTTP header name or value.")
-        return head
+class _StopParsing(Exception):
+    """Raised inside a parser callback to stop reading requests from the connection (not an error)."""
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -250,6 +88,7 @@ class HttpProtocol(asyncio.Protocol):
         "_body_cycle",
         "_clock",
         "_drain_waiter",
+        "_expect_continue",
         "_extensions",
         "_head_deadline",
         "_headers",
@@ -259,9 +98,11 @@ class HttpProtocol(asyncio.Protocol):
         "_loss",
         "_parser",
         "_pipeline",
+        "_progress_at",
+        "_stall_bytes",
+        "_stopped",
         "_timer",
         "_timer_at",
-        "_upgraded",
         "_url",
         "active",
         "app",
@@ -301,14 +142,17 @@ class HttpProtocol(asyncio.Protocol):
         self.read_paused = False
         self.write_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
-        self.active: _Cycle | None = None  # the request whose response is being served
-        self._body_cycle: _Cycle | None = None  # the latest request whose head is in (its body may still come)
-        self._pipeline: deque[_Cycle] = deque()  # complete heads waiting for the active response to end
+        self.active: RequestCycle | None = None  # the request whose response is being served
+        self._body_cycle: RequestCycle | None = None  # the latest request whose head is in (its body may still come)
+        self._pipeline: deque[RequestCycle] = deque()  # complete heads waiting for the active response to end
         self._in_head = False  # part of a head has arrived
-        self._upgraded = False  # the parser stopped at an Upgrade request
+        self._stopped = False  # no more requests are read from this connection (an Upgrade, too many queued)
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
+        self._expect_continue = False
+        self._stall_bytes = 0  # bytes received since the last progress (a complete head, a piece of body)
         self._last_read = 0.0  # loop time of the latest read
+        self._progress_at = 0.0  # loop time of the latest progress of the body being received
         self._head_deadline = 0.0
         self._idle_deadline = 0.0  # when an idle connection is closed
         self._timer: asyncio.TimerHandle | None = None
@@ -323,7 +167,7 @@ class HttpProtocol(asyncio.Protocol):
         self.server_state.connections.add(self)  # type: ignore[arg-type]  # uvicorn calls shutdown() on each
         self.server = _address(self.transport.get_extra_info("sockname"))
         self.client = _address(self.transport.get_extra_info("peername"))
-        self._loss = ConnectionLoss(self.resume_reading)
+        self._loss = ConnectionLoss(self.resume_reading)  # up to MAX_PIPELINED may then queue
         self._extensions = {CONNECTION_LOSS: {"loss": self._loss}}
         self._last_read = self._clock()
         # the first request's head must be in within header_timeout_s of the connection opening
@@ -333,11 +177,11 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server_state.connections.discard(self)
         for cycle in (self.active, self._body_cycle):
-            if cycle is not None and not cycle.response_complete:
-                cycle.disconnected = True
-                cycle.head = None
             if cycle is not None:
-                cycle.wake()
+                if cycle.response_complete:
+                    cycle.wake()
+                else:
+                    cycle.disconnect()
         self._pipeline.clear()
         if self._loss is not None:
             self._loss.lost()
@@ -352,28 +196,54 @@ class HttpProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last_read = self._clock()
-        if self._upgraded:
-            return  # the parser stopped at an Upgrade: what follows is not ours to read
+        if self._stopped:
+            return  # what follows an Upgrade, or requests past the queue's limit, is not read
+        self._stall_bytes += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._upgraded = True
             log.debug("Upgrade request served as plain HTTP; the connection closes after the response")
-            cycle = self._body_cycle
-            if cycle is not None:
-                cycle.keep_alive = False
-                if not cycle.body_complete:  # the parser reads no further: no more of this body will come
-                    self.on_message_complete()
+            self._stop_reading_requests()
         except httptools.HttpParserError as exc:
-            self._bad_request(f"Invalid HTTP request: {exc}")
+            cause = exc.__context__
+            if isinstance(cause, _StopParsing):
+                self._stop_reading_requests()
+            else:
+                if cause is not None and not isinstance(cause, httptools.HttpParserError):
+                    log.error("a parser callback failed", exc_info=cause)  # a bug, not the client's fault
+                self._refuse(400, f"invalid HTTP request: {exc}")
+            return
+        if self._stall_bytes > MAX_STALL_BYTES:
+            if self._in_head:
+                self._refuse(431, "request head too large")
+            else:
+                self._refuse(400, "too many bytes without body progress (trailers, chunk extensions)")
 
     def shutdown(self) -> None:
         """uvicorn's graceful shutdown: close now if idle, else once the response in progress is sent."""
         if self.active is None or self.active.response_complete:
-            self.transport.close()
+            self._close()
         else:
             self.active.keep_alive = False
             self._pipeline.clear()
+
+    def _stop_reading_requests(self) -> None:
+        """Read no more requests; the ones already in are answered, then the connection closes."""
+        self._stopped = True
+        last = self._pipeline[-1] if self._pipeline else self._body_cycle
+        if last is not None:
+            last.keep_alive = False
+            if not last.body_complete:  # the parser reads no further: no more of this body will come
+                self.on_message_complete()
+
+    def _close(self) -> None:
+        """Close once what is written has gone out; a client that reads none of it for body_timeout_s is cut."""
+        transport = self.transport
+        if transport.is_closing():
+            return
+        transport.close()
+        if transport.get_write_buffer_size():
+            self.loop.call_later(self.body_timeout_s, transport.abort)
 
     # --- flow control -----------------------------------------------------------------------------------
 
@@ -385,9 +255,17 @@ class HttpProtocol(asyncio.Protocol):
         self._wake_drain()
 
     async def drain(self) -> None:
+        """Wait until the client takes what was written; one that takes nothing for body_timeout_s is cut off
+        (its request is cancelled, and what it held released)."""
         if self._drain_waiter is None or self._drain_waiter.done():
             self._drain_waiter = self.loop.create_future()
-        await asyncio.shield(self._drain_waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._drain_waiter), self.body_timeout_s)
+        except TimeoutError:
+            log.debug("closing %s: it read nothing of its response for %.0f s", self.client, self.body_timeout_s)
+            if self.active is not None:
+                self.active.disconnect()
+            self.transport.abort()
 
     def _wake_drain(self) -> None:
         waiter, self._drain_waiter = self._drain_waiter, None
@@ -402,16 +280,22 @@ class HttpProtocol(asyncio.Protocol):
     def resume_reading(self) -> None:
         if self.read_paused:
             self.read_paused = False
+            self._progress_at = self._clock()  # the silence so far was ours
             self.transport.resume_reading()
 
-    def pipeline_empty(self) -> bool:
-        return not self._pipeline
+    def reading_wanted(self) -> None:
+        if self.read_paused and not self._pipeline:
+            self.resume_reading()
+
+    def continue_sent(self) -> None:
+        self._progress_at = self._clock()  # the client may send the body only now
 
     # --- the parser's callbacks -------------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
+        self._expect_continue = False
         self._in_head = True
         if self._body_cycle is not None:  # a later request: its head clock starts at its first byte
             self._head_deadline = self._last_read + self.header_timeout_s
@@ -421,10 +305,17 @@ class HttpProtocol(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
+        if not self._in_head:
+            return  # a trailer (after a chunked body): not read
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self._expect_continue = True
+        self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._stall_bytes = 0
+        self._progress_at = self._last_read
         parser = self._parser
         url = self._url
         if url[:1] == b"/":
@@ -438,8 +329,11 @@ class HttpProtocol(asyncio.Protocol):
             raise httptools.HttpParserError("the request target is not ASCII") from None
         if "%" in path:
             path = unquote(path)
-        http_version = parser.get_http_version()
         headers = self._headers
+        if parser.should_upgrade() and _declares_body(headers):
+            # the parser stops at an Upgrade head and would hand the app an empty body in place of this one
+            raise httptools.HttpParserError("an Upgrade request with a body")
+        http_version = parser.get_http_version()
         scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -456,24 +350,22 @@ class HttpProtocol(asyncio.Protocol):
             "state": self.app_state.copy(),
             "extensions": self._extensions,
         }
-        expect_continue = any(name == b"expect" and value.lower() == b"100-continue" for name, value in headers)
-        cycle = _Cycle(self, scope, http_version != "1.0" and parser.should_keep_alive(), expect_continue)
+        keep_alive = http_version == "1.1" and parser.should_keep_alive()
+        cycle = RequestCycle(self, scope, keep_alive, self._expect_continue)
         self._body_cycle = cycle
         self._arm(self._last_read + self.body_timeout_s)
-        if self.limit is not None and (
-            len(self.server_state.connections) >= self.limit or len(self.server_state.tasks) >= self.limit
-        ):
-            log.warning("Exceeded concurrency limit (listen.max_connections): answering 503")
-            self._plain(503, b"Service Unavailable")
-            self.transport.close()
-            cycle.disconnected = True
-        elif self.active is None:
+        if self.active is None:
             self._start(cycle)
-        else:  # pipelined behind a response still owed
+        elif len(self._pipeline) < MAX_PIPELINED:  # behind a response still owed
             self._pipeline.append(cycle)
             self.pause_reading()
+        else:
+            self._body_cycle = self._pipeline[-1]
+            raise _StopParsing
 
     def on_body(self, body: bytes) -> None:
+        self._stall_bytes = 0
+        self._progress_at = self._last_read
         cycle = self._body_cycle
         if cycle is None or cycle.response_complete or cycle.disconnected:
             return
@@ -484,6 +376,7 @@ class HttpProtocol(asyncio.Protocol):
         cycle.wake()
 
     def on_message_complete(self) -> None:
+        self._stall_bytes = 0
         cycle = self._body_cycle
         if cycle is None:
             return
@@ -492,36 +385,45 @@ class HttpProtocol(asyncio.Protocol):
 
     # --- requests and responses ---------------------------------------------------------------------------
 
-    def _start(self, cycle: _Cycle) -> None:
+    def _start(self, cycle: RequestCycle) -> None:
+        """Its turn has come: run the app on it, or answer 503 past the concurrency limit."""
         self.active = cycle
-        tasks = self.server_state.tasks
+        state = self.server_state
+        if self.limit is not None and (len(state.connections) >= self.limit or len(state.tasks) >= self.limit):
+            log.warning("Exceeded concurrency limit (listen.max_connections): answering 503")
+            self._plain(503, b"Service Unavailable")
+            cycle.disconnect()
+            self._close()
+            return
         task = self.loop.create_task(self._run(cycle))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        state.tasks.add(task)
+        task.add_done_callback(state.tasks.discard)
 
-    async def _run(self, cycle: _Cycle) -> None:
+    async def _run(self, cycle: RequestCycle) -> None:
         try:
             await self.app(cycle.scope, cycle.receive, cycle.send)
         except BaseException as exc:
             log.error("Exception in ASGI application", exc_info=exc)
+            if cycle.response_complete:
+                return  # it failed after its answer went out whole: the connection serves on
             if not cycle.response_started and not cycle.disconnected:
                 self._plain(500, b"Internal Server Error")
-            self.transport.close()
+            self._close()
             return
         if not cycle.disconnected and not cycle.response_complete:
             step = "ending" if cycle.response_started else "starting"
             log.error("ASGI application returned without %s its response", step)
             if not cycle.response_started:
                 self._plain(500, b"Internal Server Error")
-            self.transport.close()
+            self._close()
 
-    def response_done(self, cycle: _Cycle) -> None:
+    def response_done(self, cycle: RequestCycle) -> None:
         """The response went out whole: close, or serve the next pipelined request, or wait idle."""
         self.server_state.total_requests += 1
         if self.active is cycle:
             self.active = None
         if not cycle.keep_alive:
-            self.transport.close()
+            self._close()
             return
         if self.transport.is_closing():
             return
@@ -534,11 +436,12 @@ class HttpProtocol(asyncio.Protocol):
             self._idle_deadline = self._clock() + self.keepalive_s
             self._arm(self._idle_deadline)
 
-    def _bad_request(self, message: str) -> None:
-        log.debug("closing %s: %s", self.client, message)
+    def _refuse(self, status: int, reason: str) -> None:
+        """A request that cannot be read: answered (unless a response is under way) and the connection closed."""
+        log.debug("closing %s: %s", self.client, reason)
         if self.active is None or not self.active.response_started:
-            self._plain(400, b"Invalid HTTP request received.")
-        self.transport.close()
+            self._plain(status, http.HTTPStatus(status).phrase.encode())
+        self._close()
 
     def server_headers(self) -> tuple[bytes, int]:
         """uvicorn's default headers (``date``, ``server``), which its server refreshes every second, encoded
@@ -576,10 +479,10 @@ class HttpProtocol(asyncio.Protocol):
                 return
             deadline, expired = self._head_deadline, "head"
         elif cycle is not None and not cycle.body_complete and not cycle.disconnected:
-            if self.read_paused or cycle.expect_continue:
-                self._arm(now + self.body_timeout_s)  # we are not reading: the silence is ours
+            if self.read_paused or cycle.expect_continue or self.active not in (None, cycle):
+                self._arm(now + self.body_timeout_s)  # we are not reading it (yet): the silence is ours
                 return
-            deadline, expired = self._last_read + self.body_timeout_s, "body"
+            deadline, expired = self._progress_at + self.body_timeout_s, "body"
         elif self.active is not None or self._pipeline:
             return  # a response is owed: no deadline; response_done arms the keep-alive one
         else:
@@ -591,11 +494,16 @@ class HttpProtocol(asyncio.Protocol):
         answer = expired == "head"  # a connection that never sent a byte is just closed
         if expired == "body" and cycle is not None:
             answer = not cycle.response_started
-            cycle.disconnected = True  # the app, waiting in receive(), sees http.disconnect and sends nothing
-            cycle.wake()
+            cycle.disconnect()  # the app, waiting in receive(), sees http.disconnect and sends nothing
         if answer:
             self._plain(408, b"Request Timeout")
-        self.transport.close()
+        self._close()
+
+
+def _declares_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(
+        name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0") for name, value in headers
+    )
 
 
 class _ServerHeaders:

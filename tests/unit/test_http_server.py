@@ -15,7 +15,7 @@ from uvicorn.server import ServerState
 
 from gateway.config import ListenConfig
 from gateway.server.disconnect import connection_loss
-from gateway.server.http_server import configured_protocol
+from gateway.server.http_server import MAX_PIPELINED, MAX_STALL_BYTES, configured_protocol
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
@@ -45,14 +45,16 @@ async def echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def serve(app: App, **listen: float) -> AsyncIterator[Served]:
+async def serve(app: App, limit_concurrency: int | None = None, **listen: float) -> AsyncIterator[Served]:
     served = Served()
 
     async def recording(scope: dict[str, Any], receive: Any, send: Any) -> None:
         served.scopes.append(scope)
         await app(scope, receive, send)
 
-    config = Config(recording, lifespan="off", timeout_keep_alive=30, proxy_headers=False)
+    config = Config(
+        recording, lifespan="off", timeout_keep_alive=30, proxy_headers=False, limit_concurrency=limit_concurrency
+    )
     config.load()
     protocol = configured_protocol(ListenConfig(**listen))
     loop = asyncio.get_running_loop()
@@ -272,3 +274,108 @@ async def test_answer_before_the_body_is_in_closes_the_connection(echo_server: S
         raw = await reader.read()  # the answer, then the close: the other 99,990 bytes are never read
         assert raw.startswith(b"HTTP/1.1 401 ")
         assert raw.endswith(b"connection: close\r\n\r\n")
+
+
+async def test_oversized_head_gets_431_and_trailers_are_not_kept(echo_server: Served) -> None:
+    reader, writer = await echo_server.connect()
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_STALL_BYTES + 1024))
+    assert (await reader.read()).startswith(b"HTTP/1.1 431 ")
+    reader, writer = await echo_server.connect()
+    chunked = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n"
+    writer.write(chunked + b"Authorization: Bearer smuggled\r\n\r\n")
+    assert (await read_response(reader))[2] == b"hello"
+    assert all(name != b"authorization" for name, _ in echo_server.scopes[-1]["headers"])
+    writer.close()
+
+
+async def test_pipelined_requests_past_the_limit_are_not_read(echo_server: Served) -> None:
+    reader, writer = await echo_server.connect()
+    writer.write(b"".join(post(b"%d" % i) for i in range(MAX_PIPELINED + 20)))
+    answers = [await read_response(reader) for _ in range(MAX_PIPELINED + 1)]  # the first, then those queued
+    assert [body for _, _, body in answers] == [b"%d" % i for i in range(MAX_PIPELINED + 1)]
+    assert answers[-1][1].get(b"connection") == b"close"
+    assert await reader.read() == b""
+
+
+async def test_app_failing_after_its_answer_leaves_the_connection_serving() -> None:
+    async def answers_then_fails(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await echo(scope, receive, send)
+        raise ValueError("cleanup failed")
+
+    async for served in serve(answers_then_fails):
+        reader, writer = await served.connect()
+        for body in (b"first", b"second"):
+            writer.write(post(body))
+            assert (await read_response(reader))[2] == body
+        writer.close()
+
+
+async def test_503_past_the_limit_waits_its_turn_behind_a_stream() -> None:
+    release, started = asyncio.Event(), asyncio.Event()
+
+    async def stream(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"one", "more_body": True})
+        started.set()
+        await release.wait()
+        await send({"type": "http.response.body", "body": b"two"})
+
+    async for served in serve(stream, limit_concurrency=2):
+        reader, writer = await served.connect()
+        writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(started.wait(), timeout=30)
+        _other = await served.connect()  # a second connection: the pipelined request is now past the limit
+        while len(served.state.connections) < 2:  # noqa: ASYNC110  (uvicorn's set has no event to wait on)
+            await asyncio.sleep(0.01)
+        release.set()
+        status, _, body = await read_response(reader)
+        assert (status, body) == (b"HTTP/1.1 200 OK", b"onetwo")  # the stream ends whole, then the 503
+        assert (await reader.read()).startswith(b"HTTP/1.1 503 ")
+
+
+async def test_pipelined_body_deadline_waits_for_its_turn() -> None:
+    """A request queued behind a slow answer is not timed while it waits (the answer in front of it would be
+    cut by its 408); its body deadline runs from its turn."""
+    release, started = asyncio.Event(), asyncio.Event()
+
+    async def slow_then_echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] == "/slow":
+            loss = connection_loss(scope)
+            assert loss is not None
+            loss.resume_reading()  # what the gateway's disconnect watch does: the queued request's bytes come in
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"a", "more_body": True})
+            started.set()
+            await release.wait()
+            await send({"type": "http.response.body", "body": b"b"})
+        else:
+            await echo(scope, receive, send)
+
+    async for served in serve(slow_then_echo, body_timeout_s=0.3):
+        reader, writer = await served.connect()
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + post(b"0123456789")[:-8])  # 2 of 10 body bytes
+        await asyncio.wait_for(started.wait(), timeout=30)
+        await asyncio.sleep(1.0)  # > 3 body timeouts of silence while /slow is still being answered
+        release.set()
+        status, _, body = await read_response(reader)
+        assert (status, body) == (b"HTTP/1.1 200 OK", b"ab")
+        assert (await reader.read()).startswith(b"HTTP/1.1 408 ")  # now its turn came, and its body stalled
+
+
+async def test_client_reading_nothing_of_its_response_is_cut_off() -> None:
+    ended = asyncio.Event()
+
+    async def flood(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        chunk = b"x" * 65536
+        for _ in range(2000):  # 128 MiB: far more than socket buffers hold; once cut off, send() writes nothing
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        ended.set()
+
+    async for served in serve(flood, body_timeout_s=0.5):
+        _reader, writer = await served.connect()
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # and never read
+        await asyncio.wait_for(ended.wait(), timeout=60)
+        await asyncio.sleep(0.1)
+        assert served.state.connections == set()
+        writer.close()
