@@ -24,7 +24,7 @@ from tests.support.procs import REPO, start_gateway, start_mini_vllm
 
 
 async def bench(args: argparse.Namespace, baseline_tree: Path, current_tree: Path) -> str:
-    config = {"tokenizer": "heuristic", "log_level": "warning"}
+    config = {"tokenizer": args.tokenizer, "log_level": "warning"}
     lines = [
         f"Gateway CPU ms per request, {args.current or 'this tree'} vs {args.baseline}; "
         f"{args.rounds} interleaved rounds of "
@@ -73,6 +73,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--layout", choices=["shared", "pinned"], default="pinned")
+    p.add_argument(
+        "--tokenizer",
+        default="heuristic",
+        help="both builds' tokenizer, e.g. hf:/abs/path/to/llama3-tokenizer (a path both trees can reach)",
+    )
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvgate-builds-") as tmp:

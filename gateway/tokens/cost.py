@@ -128,11 +128,16 @@ def estimate_cost(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
             f"{longest} input tokens, which leaves no room for any output. Please reduce the length of the input."
         )
-    outputs = tuple(output_budget(max_tokens, p, max_model_len) for p in prompt_tokens)
-    output = max(outputs, default=0)
-    blocks = sequences_per_prompt * sum(
-        blocks_for(p + o, geometry.block_size) for p, o in zip(prompt_tokens, outputs, strict=True)
-    )
+    if len(prompt_tokens) == 1:  # one prompt (every chat): the same sums, without generators
+        output = output_budget(max_tokens, longest, max_model_len)
+        outputs: tuple[int, ...] = (output,)
+        blocks = sequences_per_prompt * -(-(longest + output) // geometry.block_size)
+    else:
+        outputs = tuple(output_budget(max_tokens, p, max_model_len) for p in prompt_tokens)
+        output = max(outputs, default=0)
+        blocks = sequences_per_prompt * sum(
+            blocks_for(p + o, geometry.block_size) for p, o in zip(prompt_tokens, outputs, strict=True)
+        )
     ceiling = math.floor(high_watermark * geometry.num_blocks)
     if blocks > ceiling:
         raise GatewayError(
@@ -144,7 +149,7 @@ def estimate_cost(
             param="max_tokens",
             code="kv_cache_capacity_exceeded",
         )
-    uniform = all(o == output for o in outputs)
+    uniform = len(outputs) == 1 or all(o == output for o in outputs)
     floor = min(min_tokens, output)
     return RequestCost(
         prompt_tokens, sequences_per_prompt, output, blocks, None if uniform else outputs, floor, prompt_high

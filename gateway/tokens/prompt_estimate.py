@@ -121,6 +121,7 @@ class _Window:
         self._size = size
         self.reserve: tuple[float, float] | None = None  # (quantile, byte-weighted ratio at it)
         self.added_since_reserve = 0
+        self.ratios: tuple[float, float, float] | None = None  # (low, typical, high) since the last add
 
     def add(self, value: float, size: int) -> None:
         if len(self.order) == self._size:
@@ -128,6 +129,7 @@ class _Window:
         self.order.append((value, size))
         bisect.insort(self.sorted, value)
         self.added_since_reserve += 1
+        self.ratios = None
 
     def byte_weighted(self, quantile: float) -> float:
         """The ratio below which ``quantile`` of the window's prompt *bytes* lie: what the pool fills with is
@@ -209,12 +211,15 @@ class PromptLengths:
         n = len(window.order) if window is not None else 0
         if window is None or n < self.min_samples:
             return self.prior.low, self.prior.ratio, self.prior.high
+        if window.ratios is not None:  # pricing asks for them per request; they change only as the window does
+            return window.ratios
         ranked = window.sorted
         typical = ranked[n // 2]
         low_rank = max(1, n + 1 - self._high_rank(n))  # the mirror image of the high rank
         high = max(ranked[self._high_rank(n) - 1] * (1 + self.margin), typical * (1 + self.min_spread))
         low = min(ranked[low_rank - 1] * (1 - self.margin), typical * (1 - self.min_spread))
-        return max(0.0, low), typical, high
+        window.ratios = (max(0.0, low), typical, high)
+        return window.ratios
 
     def reserved(self, key: Key, size: int, quantile: float) -> int:
         """Tokens to reserve for a prompt of ``size`` bytes (the prior's typical ratio while there are too few
@@ -228,6 +233,10 @@ class PromptLengths:
         ranked = window.sorted
         by_count = ranked[min(len(ranked) - 1, int(quantile * len(ranked)))]
         return math.ceil(max(by_count, window.byte_weighted(quantile)) * size)
+
+    def high(self, key: Key, size: int) -> int:
+        """The band's high end alone (what the fast path checks limits at)."""
+        return math.ceil(self.ratios(key)[2] * size)
 
     def band(self, key: Key, size: int) -> TokenBand:
         low, typical, high = self.ratios(key)
