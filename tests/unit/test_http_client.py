@@ -320,6 +320,26 @@ async def test_the_deadline_of_a_finished_request_leaves_its_connection_alone() 
         assert server.connections == 1
 
 
+async def test_a_reused_connection_times_out_by_its_new_request() -> None:
+    """A kept-alive connection's second request, which the engine never answers, ends by its own silence
+    limit: nothing left of the first request's deadline keeps it waiting or cuts it short."""
+
+    async def handle(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(response_bytes(b"first"))
+        await peer.read_request()
+        await peer.until_eof()
+
+    async with Server(handle) as server, open_pool(server.url) as pool:
+        assert await get(pool, timeout_s=0.5) == (200, b"first")
+        await asyncio.sleep(0.3)  # the first request's deadline now falls inside the second one's wait
+        async with bounded():
+            with pytest.raises(TimeoutError):
+                await get(pool, timeout_s=0.5)
+        assert server.connections == 1
+        assert await observed(server.peers[0].eof)
+
+
 async def test_connection_refused_is_connect_failed() -> None:
     # A bound socket that does not listen: connecting to its port is refused, and no one else can take the port.
     with socket.socket() as sock:
