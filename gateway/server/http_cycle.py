@@ -191,6 +191,8 @@ class RequestCycle:
             lines.append(b"%b: %b\r\n" % (name, value))
             lower = name.lower()
             if lower == b"content-length":
+                if not value.isdigit():  # int() would take -1, +5 or 1_0
+                    raise RuntimeError(f"Invalid Content-Length {value!r}.")
                 if not framed:
                     self.remaining = int(value)
                     framed = True

@@ -33,9 +33,10 @@ Limits on what a client can make the server hold:
 * at most ``MAX_PIPELINED`` complete requests queue behind the one being answered; past that no more are
   read, and the connection closes once the queued ones are answered;
 * a client that takes nothing of its response for ``body_timeout_s`` is cut off (its request is cancelled),
-  and so is one that leaves unread what was written before a close.
+  and so is one that takes nothing of what is left to send after a close (a slow reader gets it all).
 
-Also: pipelined requests are answered in turn (reading pauses behind them); ``Expect: 100-continue`` is
+Also: pipelined requests are answered in turn (reading pauses behind them), and a malformed one is refused in
+its turn, after the answers owed before it; ``Expect: 100-continue`` is
 answered when the app first reads the body; an answer sent before its request's body is in says
 ``connection: close`` and the rest is not read; an ``Upgrade`` request (websocket, h2c) is served as plain HTTP
 and the connection closed after its answer (the parser stops at an upgrade), and one that declares a body is
@@ -90,6 +91,7 @@ class HttpProtocol(asyncio.Protocol):
         "_drain_waiter",
         "_expect_continue",
         "_extensions",
+        "_flush_check",
         "_head_deadline",
         "_headers",
         "_idle_deadline",
@@ -99,6 +101,7 @@ class HttpProtocol(asyncio.Protocol):
         "_parser",
         "_pipeline",
         "_progress_at",
+        "_refusal",
         "_stall_bytes",
         "_stopped",
         "_timer",
@@ -157,6 +160,8 @@ class HttpProtocol(asyncio.Protocol):
         self._idle_deadline = 0.0  # when an idle connection is closed
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = _NEVER
+        self._flush_check: asyncio.TimerHandle | None = None  # after a close, while written bytes are left
+        self._refusal: tuple[int, str] | None = None  # a later request's error, answered once those before it are
         self._loss: ConnectionLoss | None = None
         self._extensions: dict[str, dict[str, Any]] = {}
 
@@ -185,9 +190,10 @@ class HttpProtocol(asyncio.Protocol):
         self._pipeline.clear()
         if self._loss is not None:
             self._loss.lost()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for timer in (self._timer, self._flush_check):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._flush_check = None
         self.write_paused = False
         self._wake_drain()
 
@@ -237,13 +243,24 @@ class HttpProtocol(asyncio.Protocol):
                 self.on_message_complete()
 
     def _close(self) -> None:
-        """Close once what is written has gone out; a client that reads none of it for body_timeout_s is cut."""
+        """Close once what is written has gone out; a client that takes none of it for body_timeout_s is cut
+        off (one that keeps reading, however slowly, gets all of it)."""
         transport = self.transport
         if transport.is_closing():
             return
         transport.close()
-        if transport.get_write_buffer_size():
-            self.loop.call_later(self.body_timeout_s, transport.abort)
+        pending = transport.get_write_buffer_size()
+        if pending:
+            self._flush_check = self.loop.call_later(self.body_timeout_s, self._check_flush, pending)
+
+    def _check_flush(self, before: int) -> None:
+        self._flush_check = None
+        left = self.transport.get_write_buffer_size()
+        if left >= before:
+            log.debug("closing %s: it read nothing of the rest for %.0f s", self.client, self.body_timeout_s)
+            self.transport.abort()
+        elif left:
+            self._flush_check = self.loop.call_later(self.body_timeout_s, self._check_flush, left)
 
     # --- flow control -----------------------------------------------------------------------------------
 
@@ -423,6 +440,9 @@ class HttpProtocol(asyncio.Protocol):
         if self.active is cycle:
             self.active = None
         if not cycle.keep_alive:
+            if self._refusal is not None and not self._pipeline:
+                status = self._refusal[0]
+                self._plain(status, http.HTTPStatus(status).phrase.encode())
             self._close()
             return
         if self.transport.is_closing():
@@ -437,11 +457,29 @@ class HttpProtocol(asyncio.Protocol):
             self._arm(self._idle_deadline)
 
     def _refuse(self, status: int, reason: str) -> None:
-        """A request that cannot be read: answered (unless a response is under way) and the connection closed."""
-        log.debug("closing %s: %s", self.client, reason)
-        if self.active is None or not self.active.response_started:
+        """A request that cannot be read. Answered in its turn: at once when nothing is owed before it (or the
+        error is in the body of the request being answered, which then cannot be served), else after the
+        answers owed, as the connection's last word; then the connection closes."""
+        log.debug("refusing %s: %s", self.client, reason)
+        self._stopped = True
+        active = self.active
+        if active is not None and self._body_cycle is active and not active.body_complete:
+            if not active.response_started:
+                active.disconnect()
+                self._plain(status, http.HTTPStatus(status).phrase.encode())
+            self._close()
+            return
+        queued = self._pipeline
+        if queued and self._body_cycle is queued[-1] and not queued[-1].body_complete:
+            queued.pop()  # a queued request whose body broke off: refused in its turn, not served
+        last = queued[-1] if queued else active
+        if last is None or last.response_complete:
             self._plain(status, http.HTTPStatus(status).phrase.encode())
-        self._close()
+            self._close()
+            return
+        if last.keep_alive:  # a client that asked to close after it has no use for a refusal
+            self._refusal = (status, reason)
+        last.keep_alive = False
 
     def server_headers(self) -> tuple[bytes, int]:
         """uvicorn's default headers (``date``, ``server``), which its server refreshes every second, encoded

@@ -379,3 +379,56 @@ async def test_client_reading_nothing_of_its_response_is_cut_off() -> None:
         await asyncio.sleep(0.1)
         assert served.state.connections == set()
         writer.close()
+
+
+async def test_a_slow_but_steady_reader_gets_a_whole_answer_before_the_close() -> None:
+    body = bytes(range(256)) * 65536  # 16 MiB, far more than the socket buffers hold
+
+    async def big(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        headers = [(b"content-length", b"%d" % len(body)), (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})  # all of it at once: no drain() bounds it
+
+    async for served in serve(big, body_timeout_s=1.0):
+        reader, writer = await served.connect()
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        received = b""
+        while chunk := await reader.read(65536):
+            received += chunk
+            await asyncio.sleep(0.01)  # ~6 MiB/s at most: ~3 body timeouts in all, never silent for one
+        assert received.endswith(b"\r\n\r\n" + body)
+
+
+async def test_a_malformed_request_behind_an_answer_owed_is_refused_after_it() -> None:
+    release, started = asyncio.Event(), asyncio.Event()
+
+    async def slow(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        loss = connection_loss(scope)
+        assert loss is not None
+        loss.resume_reading()  # as the gateway's disconnect watch does: what follows is read
+        started.set()
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
+        await send({"type": "http.response.body", "body": b"slow"})
+
+    async for served in serve(slow):
+        reader, writer = await served.connect()
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGARBAGE\r\n\r\n")
+        await asyncio.wait_for(started.wait(), timeout=30)
+        await asyncio.sleep(0.1)  # the garbage has been read
+        release.set()
+        status, headers, body = await read_response(reader)
+        assert (status, body) == (b"HTTP/1.1 200 OK", b"slow")  # the answer owed comes first, whole
+        assert headers.get(b"connection") == b"close"
+        assert (await reader.read()).startswith(b"HTTP/1.1 400 ")
+
+
+async def test_a_content_length_that_is_not_digits_is_refused() -> None:
+    async def signed(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"-1")]})
+        await send({"type": "http.response.body", "body": b"x"})
+
+    async for served in serve(signed):
+        reader, writer = await served.connect()
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.read()).startswith(b"HTTP/1.1 500 ")
