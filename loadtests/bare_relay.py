@@ -18,6 +18,7 @@ import uvicorn
 
 from gateway.config import ListenConfig
 from gateway.server.http_server import configured_protocol
+from gateway.server.request_path import read_body
 from gateway.upstream.forwarder import relayed_headers
 from gateway.upstream.http_client import Pool
 
@@ -30,12 +31,7 @@ def relay_app(upstream: str) -> Any:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_body(receive, 1 << 30)
         headers = [(name, value) for name, value in scope["headers"] if name in _FORWARDED]
         target = scope["raw_path"].decode("latin-1")
         if scope["query_string"]:

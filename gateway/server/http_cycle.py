@@ -14,7 +14,6 @@ import http
 from typing import Any, Protocol
 
 _DISCONNECT: dict[str, Any] = {"type": "http.disconnect"}
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 def _status_line(status: int) -> bytes:
@@ -28,8 +27,10 @@ def _status_line(status: int) -> bytes:
 STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
 
 
-def plain_response(status: int, text: bytes, server_headers: bytes = b"") -> bytes:
-    """A whole ``text/plain`` response that closes the connection: what the server itself answers."""
+def plain_response(status: int, server_headers: bytes = b"") -> bytes:
+    """A whole ``text/plain`` response, its status's phrase, that closes the connection: what the server itself
+    answers (400, 408, 431, 500, 503)."""
+    text = http.HTTPStatus(status).phrase.encode()
     return b"".join(
         [
             STATUS_LINE[status],
@@ -52,7 +53,8 @@ class Connection(Protocol):
 
     async def drain(self) -> None: ...
 
-    def continue_sent(self) -> None: ...
+    def send_continue(self) -> None:
+        """Answer ``Expect: 100-continue``: the app wants the body."""
 
     def server_headers(self) -> tuple[bytes, int]: ...
 
@@ -127,9 +129,7 @@ class RequestCycle:
                 return {"type": "http.request", "body": body, "more_body": not self.body_complete}
             if self.expect_continue:
                 self.expect_continue = False
-                if not connection.transport.is_closing():
-                    connection.transport.write(_CONTINUE)
-                    connection.continue_sent()
+                connection.send_continue()
             connection.reading_wanted()
             self.waiter = connection.loop.create_future()
             await self.waiter

@@ -49,7 +49,6 @@ request parks a task in ``receive()`` to hear of it.
 from __future__ import annotations
 
 import asyncio
-import http
 import logging
 from collections import deque
 from typing import Any, ClassVar, cast
@@ -66,6 +65,7 @@ from gateway.server.http_cycle import RequestCycle, plain_response
 log = logging.getLogger("kvgate")
 
 _NEVER = float("inf")
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _HIGH_WATER = 65536  # request body bytes received, not yet taken by the app, before reading pauses
 # Bytes a connection may send without progress (a complete head, a piece of body) before it is cut off: bounds a
 # head's size (431), and trailers or chunk extensions (400). httptools joins a header value a piece at a time,
@@ -161,7 +161,7 @@ class HttpProtocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = _NEVER
         self._flush_check: asyncio.TimerHandle | None = None  # after a close, while written bytes are left
-        self._refusal: tuple[int, str] | None = None  # a later request's error, answered once those before it are
+        self._refusal: int | None = None  # a later request's error status, answered once those before it are
         self._loss: ConnectionLoss | None = None
         self._extensions: dict[str, dict[str, Any]] = {}
 
@@ -182,11 +182,8 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.server_state.connections.discard(self)
         for cycle in (self.active, self._body_cycle):
-            if cycle is not None:
-                if cycle.response_complete:
-                    cycle.wake()
-                else:
-                    cycle.disconnect()
+            if cycle is not None and not cycle.response_complete:  # a complete one has no one waiting in it
+                cycle.disconnect()
         self._pipeline.clear()
         if self._loss is not None:
             self._loss.lost()
@@ -227,7 +224,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def shutdown(self) -> None:
         """uvicorn's graceful shutdown: close now if idle, else once the response in progress is sent."""
-        if self.active is None or self.active.response_complete:
+        if self.active is None:
             self._close()
         else:
             self.active.keep_alive = False
@@ -304,8 +301,10 @@ class HttpProtocol(asyncio.Protocol):
         if self.read_paused and not self._pipeline:
             self.resume_reading()
 
-    def continue_sent(self) -> None:
-        self._progress_at = self._clock()  # the client may send the body only now
+    def send_continue(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(_CONTINUE)
+            self._progress_at = self._clock()  # the client may send the body only now
 
     # --- the parser's callbacks -------------------------------------------------------------------------
 
@@ -408,7 +407,7 @@ class HttpProtocol(asyncio.Protocol):
         state = self.server_state
         if self.limit is not None and (len(state.connections) >= self.limit or len(state.tasks) >= self.limit):
             log.warning("Exceeded concurrency limit (listen.max_connections): answering 503")
-            self._plain(503, b"Service Unavailable")
+            self._plain(503)
             cycle.disconnect()
             self._close()
             return
@@ -424,14 +423,14 @@ class HttpProtocol(asyncio.Protocol):
             if cycle.response_complete:
                 return  # it failed after its answer went out whole: the connection serves on
             if not cycle.response_started and not cycle.disconnected:
-                self._plain(500, b"Internal Server Error")
+                self._plain(500)
             self._close()
             return
         if not cycle.disconnected and not cycle.response_complete:
             step = "ending" if cycle.response_started else "starting"
             log.error("ASGI application returned without %s its response", step)
             if not cycle.response_started:
-                self._plain(500, b"Internal Server Error")
+                self._plain(500)
             self._close()
 
     def response_done(self, cycle: RequestCycle) -> None:
@@ -441,8 +440,7 @@ class HttpProtocol(asyncio.Protocol):
             self.active = None
         if not cycle.keep_alive:
             if self._refusal is not None and not self._pipeline:
-                status = self._refusal[0]
-                self._plain(status, http.HTTPStatus(status).phrase.encode())
+                self._plain(self._refusal)
             self._close()
             return
         if self.transport.is_closing():
@@ -466,19 +464,19 @@ class HttpProtocol(asyncio.Protocol):
         if active is not None and self._body_cycle is active and not active.body_complete:
             if not active.response_started:
                 active.disconnect()
-                self._plain(status, http.HTTPStatus(status).phrase.encode())
+                self._plain(status)
             self._close()
             return
         queued = self._pipeline
         if queued and self._body_cycle is queued[-1] and not queued[-1].body_complete:
             queued.pop()  # a queued request whose body broke off: refused in its turn, not served
         last = queued[-1] if queued else active
-        if last is None or last.response_complete:
-            self._plain(status, http.HTTPStatus(status).phrase.encode())
+        if last is None:
+            self._plain(status)
             self._close()
             return
         if last.keep_alive:  # a client that asked to close after it has no use for a refusal
-            self._refusal = (status, reason)
+            self._refusal = status
         last.keep_alive = False
 
     def server_headers(self) -> tuple[bytes, int]:
@@ -491,8 +489,8 @@ class HttpProtocol(asyncio.Protocol):
             _server_headers.lines = len(default)
         return _server_headers.encoded, _server_headers.lines
 
-    def _plain(self, status: int, text: bytes) -> None:
-        self.transport.write(plain_response(status, text, self.server_headers()[0]))
+    def _plain(self, status: int) -> None:
+        self.transport.write(plain_response(status, self.server_headers()[0]))
 
     # --- the timer -------------------------------------------------------------------------------------
 
@@ -534,7 +532,7 @@ class HttpProtocol(asyncio.Protocol):
             answer = not cycle.response_started
             cycle.disconnect()  # the app, waiting in receive(), sees http.disconnect and sends nothing
         if answer:
-            self._plain(408, b"Request Timeout")
+            self._plain(408)
         self._close()
 
 

@@ -142,13 +142,8 @@ class CostEstimator:
         sizes = prompt_sizes(request) if self.lengths.learned(key) else None
         if sizes is None:
             return None, False
-        lengths, quantile = self.lengths, self.reserve_quantile
-        if len(sizes) == 1:  # one prompt (every chat): no generators
-            highs: tuple[int, ...] = (lengths.high(key, sizes[0]),)
-            reserved: tuple[int, ...] = (lengths.reserved(key, sizes[0], quantile),)
-        else:
-            highs = tuple(lengths.high(key, size) for size in sizes)
-            reserved = tuple(lengths.reserved(key, size, quantile) for size in sizes)
+        highs = tuple(self.lengths.high(key, size) for size in sizes)
+        reserved = tuple(self.lengths.reserved(key, size, self.reserve_quantile) for size in sizes)
         cost = self._decided(request, highs, reserved, geometry)
         return cost, cost is None
 

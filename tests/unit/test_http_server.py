@@ -6,6 +6,7 @@ whole gateway in ``tests/integration/test_edges.py``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from uvicorn.server import ServerState
 from gateway.config import ListenConfig
 from gateway.server.disconnect import connection_loss
 from gateway.server.http_server import MAX_PIPELINED, MAX_STALL_BYTES, configured_protocol
+from gateway.server.request_path import read_body
 
 App = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
@@ -25,7 +27,6 @@ class Served:
 
     def __init__(self) -> None:
         self.scopes: list[dict[str, Any]] = []
-        self.bodies: list[bytes] = []
         self.port = 0
         self.state = ServerState()
 
@@ -35,16 +36,12 @@ class Served:
 
 async def echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Reads the whole body, answers it back with a content-length."""
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            break
+    body = await read_body(receive, 1 << 30)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
     await send({"type": "http.response.body", "body": body})
 
 
+@contextlib.asynccontextmanager
 async def serve(app: App, limit_concurrency: int | None = None, **listen: float) -> AsyncIterator[Served]:
     served = Served()
 
@@ -71,7 +68,7 @@ async def serve(app: App, limit_concurrency: int | None = None, **listen: float)
 
 @pytest.fixture
 async def echo_server() -> AsyncIterator[Served]:
-    async for served in serve(echo):
+    async with serve(echo) as served:
         yield served
 
 
@@ -156,7 +153,7 @@ async def test_http_1_0_gets_its_answer_then_the_close() -> None:
         await send({"type": "http.response.body", "body": b"abc", "more_body": True})
         await send({"type": "http.response.body", "body": b"def"})
 
-    async for served in serve(no_length):
+    async with serve(no_length) as served:
         reader, writer = await served.connect()
         writer.write(b"GET / HTTP/1.0\r\n\r\n")
         raw = await reader.read()  # until the close: no chunked encoding in HTTP/1.0
@@ -175,7 +172,7 @@ async def test_streamed_response_is_chunked_and_head_goes_out_with_the_first_chu
         await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
-    async for served in serve(stream):
+    async with serve(stream) as served:
         reader, writer = await served.connect()
         writer.write(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")
         first_read.append(await reader.read(65536))  # the head and the first event: one write, one read
@@ -194,7 +191,7 @@ async def test_a_head_with_no_body_behind_it_still_goes_out() -> None:
         await release.wait()
         await send({"type": "http.response.body", "body": b"late"})
 
-    async for served in serve(slow_body):
+    async with serve(slow_body) as served:
         reader, writer = await served.connect()
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)  # not held for the body
@@ -204,13 +201,20 @@ async def test_a_head_with_no_body_behind_it_still_goes_out() -> None:
         writer.close()
 
 
-async def test_head_request_gets_headers_and_no_body(echo_server: Served) -> None:
-    reader, writer = await echo_server.connect()
-    writer.write(b"HEAD /x HTTP/1.1\r\nHost: x\r\n\r\n" + post(b"after"))
-    head = await reader.readuntil(b"\r\n\r\n")
-    assert b"content-length: 0" in head
-    assert (await read_response(reader))[2] == b"after"  # nothing of a body came in between
-    writer.close()
+async def test_head_request_gets_headers_and_no_body() -> None:
+    async def same_as_get(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["method"] != "HEAD":
+            return await echo(scope, receive, send)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
+        await send({"type": "http.response.body", "body": b"hello"})  # what a GET would say: not on the wire
+
+    async with serve(same_as_get) as served:
+        reader, writer = await served.connect()
+        writer.write(b"HEAD /x HTTP/1.1\r\nHost: x\r\n\r\n" + post(b"after"))
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert b"content-length: 5" in head
+        assert await read_response(reader) == (b"HTTP/1.1 200 OK", {b"content-length": b"5"}, b"after")
+        writer.close()
 
 
 async def test_header_value_with_a_line_break_is_refused_not_sent() -> None:
@@ -218,7 +222,7 @@ async def test_header_value_with_a_line_break_is_refused_not_sent() -> None:
         headers = [(b"x-evil", b"a\r\nset-cookie: b"), (b"content-length", b"0")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
 
-    async for served in serve(splitting):
+    async with serve(splitting) as served:
         reader, writer = await served.connect()
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         status, _, body = await read_response(reader)
@@ -238,7 +242,7 @@ async def test_app_that_fails_before_answering_gets_500() -> None:
     async def failing(scope: dict[str, Any], receive: Any, send: Any) -> None:
         raise ValueError("boom")
 
-    async for served in serve(failing):
+    async with serve(failing) as served:
         reader, writer = await served.connect()
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await reader.read()).startswith(b"HTTP/1.1 500 ")
@@ -254,7 +258,7 @@ async def test_dropped_connection_is_told_to_the_request() -> None:
         assert (await receive())["type"] == "http.disconnect"  # nothing more comes until the client is gone
         told.set()
 
-    async for served in serve(waiting):
+    async with serve(waiting) as served:
         _reader, writer = await served.connect()
         writer.write(post(b"x"))
         await asyncio.wait_for(started.wait(), timeout=30)
@@ -268,7 +272,7 @@ async def test_answer_before_the_body_is_in_closes_the_connection(echo_server: S
         await send({"type": "http.response.start", "status": 401, "headers": [(b"content-length", b"0")]})
         await send({"type": "http.response.body", "body": b""})
 
-    async for served in serve(early):
+    async with serve(early) as served:
         reader, writer = await served.connect()
         writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"x" * 10)
         raw = await reader.read()  # the answer, then the close: the other 99,990 bytes are never read
@@ -302,7 +306,7 @@ async def test_app_failing_after_its_answer_leaves_the_connection_serving() -> N
         await echo(scope, receive, send)
         raise ValueError("cleanup failed")
 
-    async for served in serve(answers_then_fails):
+    async with serve(answers_then_fails) as served:
         reader, writer = await served.connect()
         for body in (b"first", b"second"):
             writer.write(post(body))
@@ -320,7 +324,7 @@ async def test_503_past_the_limit_waits_its_turn_behind_a_stream() -> None:
         await release.wait()
         await send({"type": "http.response.body", "body": b"two"})
 
-    async for served in serve(stream, limit_concurrency=2):
+    async with serve(stream, limit_concurrency=2) as served:
         reader, writer = await served.connect()
         writer.write(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n")
         await asyncio.wait_for(started.wait(), timeout=30)
@@ -351,7 +355,7 @@ async def test_pipelined_body_deadline_waits_for_its_turn() -> None:
         else:
             await echo(scope, receive, send)
 
-    async for served in serve(slow_then_echo, body_timeout_s=0.3):
+    async with serve(slow_then_echo, body_timeout_s=0.3) as served:
         reader, writer = await served.connect()
         writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + post(b"0123456789")[:-8])  # 2 of 10 body bytes
         await asyncio.wait_for(started.wait(), timeout=30)
@@ -372,7 +376,7 @@ async def test_client_reading_nothing_of_its_response_is_cut_off() -> None:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         ended.set()
 
-    async for served in serve(flood, body_timeout_s=0.5):
+    async with serve(flood, body_timeout_s=0.5) as served:
         _reader, writer = await served.connect()
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # and never read
         await asyncio.wait_for(ended.wait(), timeout=60)
@@ -389,7 +393,7 @@ async def test_a_slow_but_steady_reader_gets_a_whole_answer_before_the_close() -
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})  # all of it at once: no drain() bounds it
 
-    async for served in serve(big, body_timeout_s=1.0):
+    async with serve(big, body_timeout_s=1.0) as served:
         reader, writer = await served.connect()
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         received = b""
@@ -411,7 +415,7 @@ async def test_a_malformed_request_behind_an_answer_owed_is_refused_after_it() -
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"4")]})
         await send({"type": "http.response.body", "body": b"slow"})
 
-    async for served in serve(slow):
+    async with serve(slow) as served:
         reader, writer = await served.connect()
         writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGARBAGE\r\n\r\n")
         await asyncio.wait_for(started.wait(), timeout=30)
@@ -428,7 +432,7 @@ async def test_a_content_length_that_is_not_digits_is_refused() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"-1")]})
         await send({"type": "http.response.body", "body": b"x"})
 
-    async for served in serve(signed):
+    async with serve(signed) as served:
         reader, writer = await served.connect()
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await reader.read()).startswith(b"HTTP/1.1 500 ")
