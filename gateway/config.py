@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gateway.protocol.routes import CONTROL_PATHS, GENERATION, READ_ONLY, is_canonical
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -291,22 +293,19 @@ class PassthroughConfig(_Model):
     admin_api_keys: list[str] = Field(
         default_factory=list,
         description="If set, only these keys (plain or 'sha256:<hex>') may call the allowed paths; otherwise any "
-        "authenticated tenant may.",
+        "tenant's API key may (an anonymous caller never may).",
     )
 
     @model_validator(mode="after")
     def _paths_canonical(self) -> PassthroughConfig:
         for path in self.allow:
-            segments = path.split("/")[1:]
-            if (
-                not path.startswith("/")
-                or "%" in path
-                or "?" in path
-                or "#" in path
-                or "//" in path
-                or any(s in (".", "..") for s in segments)
-            ):
-                raise ValueError(f"passthrough.allow: {path!r} is not a canonical path")
+            if not is_canonical(path) or path == "/":
+                raise ValueError(
+                    f"passthrough.allow: {path!r} is not a canonical path (it starts with /, has no %, ?, #, "
+                    "empty, . or .. segment, no trailing / and is printable ASCII); requests are matched as sent"
+                )
+            if path in CONTROL_PATHS or path in GENERATION or path in READ_ONLY:
+                raise ValueError(f"passthrough.allow: {path!r} is a route kvgate serves itself")
         return self
 
 
@@ -370,6 +369,15 @@ class GatewayConfig(_Model):
                 if digest in keys:
                     raise ValueError(f"an API key of tenant '{tenant.name}' is already used by another tenant")
                 keys.add(digest)
+        return self
+
+    @model_validator(mode="after")
+    def _allowed_paths_have_keys(self) -> GatewayConfig:
+        if self.passthrough.allow and not self.passthrough.admin_api_keys and not any(t.api_keys for t in self.tenants):
+            raise ValueError(
+                "passthrough.allow opens engine routes that only a key may call: set passthrough.admin_api_keys "
+                "(or give tenants api_keys)"
+            )
         return self
 
     def with_overrides(self, **flags: Any) -> GatewayConfig:

@@ -72,6 +72,8 @@ CLOSED = frozenset(
         "/v1/realtime", "/v1/systemone",
     }
 )  # fmt: skip
+# kvgate's own endpoints, answered before any route of the engine's (never forwarded).
+CONTROL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 POST_ONLY = frozenset({"POST"})
 # Methods an allow-listed admin path may use. HEAD is left out: its answer has a length but no body.
 ALLOWED_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})

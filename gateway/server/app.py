@@ -24,6 +24,7 @@ from gateway.admission.output_lengths import BEYOND
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics, HistogramReading, Reading
 from gateway.protocol.errors import shutting_down
+from gateway.protocol.routes import CONTROL_PATHS
 from gateway.server.disconnect import Receive
 from gateway.server.pacing import ArrivalPacer
 from gateway.server.request_path import RequestPath, raw_path_of
@@ -43,8 +44,6 @@ from gateway.upstream.scraper import ModelInfo
 from gateway.upstream.session import UpstreamSession
 
 log = logging.getLogger("kvgate")
-
-CONTROL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 class Gateway:

@@ -36,11 +36,13 @@ class Exchange:
         request_id: str,
         writer: ResponseWriter,
         *,
+        engine_request_id: str | None = None,
         admitter: Admitter,
         counters: TenantCounters,
         metrics: GatewayMetrics,
     ) -> None:
         self.request_id = request_id
+        self.engine_request_id = engine_request_id or request_id  # what the engine knows it by
         self.writer = writer
         self._admitter = admitter
         self._counters = counters

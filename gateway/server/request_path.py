@@ -73,9 +73,16 @@ class RequestPath:
         """One proxied request, from arrival to its last byte: route, authenticate, then the generation path
         or a passthrough."""
         writer = ResponseWriter(send)
-        request_id = _request_id(scope["headers"])
+        request_id, engine_request_id = request_ids(scope["headers"])
         watch = DisconnectWatch(receive, lambda: writer.finished, connection_loss(scope))
-        exchange = Exchange(request_id, writer, admitter=self.admitter, counters=self.counters, metrics=self.metrics)
+        exchange = Exchange(
+            request_id,
+            writer,
+            engine_request_id=engine_request_id,
+            admitter=self.admitter,
+            counters=self.counters,
+            metrics=self.metrics,
+        )
         try:
             async with exchange:
                 if self.draining():
@@ -86,8 +93,13 @@ class RequestPath:
                 target = raw_path + "?" + query.decode("latin-1") if query else raw_path
                 policy = self.policy()
                 authorization = _header(scope["headers"], b"authorization")
-                if where.kind == "allowed" and self.admin_keys:
-                    self.admin_keys.check(authorization)  # admin routes answer to the admin keys alone
+                if where.kind == "allowed":
+                    # the engine's admin routes answer to the admin keys alone, or else to a tenant's key:
+                    # never to an anonymous caller, whatever auth.require_api_key says
+                    if self.admin_keys:
+                        self.admin_keys.check(authorization)
+                    else:
+                        policy.authenticate(authorization, anonymous=False)
                     await self.passthrough(exchange, target, scope, receive, watch)
                     return
                 tenant = policy.authenticate(authorization)
@@ -148,7 +160,7 @@ class RequestPath:
         await exchange.admit()
         # 6. forward and stream, on the engine it was placed on. An engine that refused the connection got
         #    nothing of it: that engine is ejected and the request placed again (a pool of one answers 503)
-        headers = upstream_headers(scope["headers"], exchange.request_id, self.upstream_api_key)
+        headers = upstream_headers(scope["headers"], exchange.engine_request_id, self.upstream_api_key)
         while True:
             exchange.sending()
             try:
@@ -170,7 +182,7 @@ class RequestPath:
         body = await read_body(receive, self.limits.max_body_bytes)
         exchange.body_read(len(body))
         watch.start()
-        headers = upstream_headers(scope["headers"], exchange.request_id, self.upstream_api_key)
+        headers = upstream_headers(scope["headers"], exchange.engine_request_id, self.upstream_api_key)
         exchange.sending()
         await self.engines.any_forwarder().passthrough(scope["method"], target, body, headers, exchange.writer)
 
@@ -212,8 +224,13 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     return None
 
 
-def _request_id(headers: list[tuple[bytes, bytes]]) -> str:
+def request_ids(headers: list[tuple[bytes, bytes]]) -> tuple[str, str]:
+    """(the id the client and kvgate's logs know the request by, the id the engine is told). A client's own
+    ``x-request-id`` is echoed as it came, but the engine gets it with a suffix of its own: vLLM aborts
+    requests by that id, so two clients sending the same one (or one sending another's) must not share it."""
     for key, value in headers:
         if key == b"x-request-id" and value:
-            return value.decode("latin-1")[:128]
-    return os.urandom(8).hex()
+            given = value.decode("latin-1")[:128]
+            return given, f"{given}-{os.urandom(4).hex()}"
+    generated = os.urandom(8).hex()
+    return generated, generated

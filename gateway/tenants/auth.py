@@ -47,8 +47,9 @@ class TenantDirectory:
             for key in tenant.api_keys:
                 self._by_digest[_digest_of(key)] = tenant.name
 
-    def authenticate(self, authorization: bytes | None) -> str:
-        """The tenant's name; anonymous traffic goes to the default tenant unless keys are required."""
+    def authenticate(self, authorization: bytes | None, anonymous: bool = True) -> str:
+        """The tenant's name; anonymous traffic goes to the default tenant unless keys are required (or
+        ``anonymous`` is False: a route only a key may call)."""
         token = _bearer(authorization)
         if token is not None:
             tenant = self._by_digest.get(key_digest(token))
@@ -56,7 +57,7 @@ class TenantDirectory:
                 return tenant
             if self.require_api_key or self._by_digest:
                 raise GatewayError(401, "Incorrect API key provided.", code="invalid_api_key")
-        if self.require_api_key:
+        if self.require_api_key or not anonymous:
             raise GatewayError(
                 401, "You didn't provide an API key (Authorization: Bearer <key>).", code="missing_api_key"
             )

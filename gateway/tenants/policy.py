@@ -47,8 +47,8 @@ class Policy:
         # is bounded by the config, not by what clients send.
         self._cache: dict[tuple[str, str | None], TenantPolicy] = {}
 
-    def authenticate(self, authorization: bytes | None) -> str:
-        return self.directory.authenticate(authorization)
+    def authenticate(self, authorization: bytes | None, anonymous: bool = True) -> str:
+        return self.directory.authenticate(authorization, anonymous)
 
     def resolve(self, tenant: str, model: str | None) -> TenantPolicy:
         cfg = self.tenants.get(tenant)

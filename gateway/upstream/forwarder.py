@@ -34,8 +34,14 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-# expect: the whole body is already here, and an interim "100 Continue" answer is not something to relay.
-_NOT_FORWARDED_UP = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
+# What of the client's head reaches the engine: an allow-list, not a deny-list. vLLM acts on more request
+# headers than the body says (``X-data-parallel-rank`` pins a data-parallel rank, past kvgate's placement; a
+# SageMaker adapter header rewrites the body's model after kvgate priced and rate-limited it; ``X-Request-Id``
+# becomes the id vLLM aborts by), and a header vLLM learns to read next release must not reach it unvetted.
+# content-type carries a multipart body's boundary; traceparent/tracestate join the engine's spans (vLLM's
+# OpenTelemetry tracing) to the client's trace; authorization only when kvgate has no key of its own for the
+# engine (then the engine checks the client's).
+_FORWARDED_UP = frozenset({b"content-type", b"accept", b"traceparent", b"tracestate"})
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {b"content-length", b"date", b"server"}
 _TAIL_BYTES = 4096
 BUSY_RETRY_AFTER_S = 1.0
@@ -65,19 +71,16 @@ def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes
 
 
 def upstream_headers(
-    client_headers: list[tuple[bytes, bytes]], request_id: str, api_key: str | None
+    client_headers: list[tuple[bytes, bytes]], engine_request_id: str, api_key: str | None
 ) -> list[tuple[bytes, bytes]]:
-    """The client's headers minus hop-by-hop ones, with our request id (and the engine's key, if it has one)."""
-    replaced = {b"x-request-id"} if api_key is None else {b"x-request-id", b"authorization"}
-    named = _connection_named(client_headers)
-    headers = [
-        (k, v)
-        for k, v in client_headers
-        if (name := k.lower()) not in _NOT_FORWARDED_UP and name not in replaced and name not in named
-    ]
-    headers.append((b"x-request-id", request_id.encode("latin-1")))
+    """What the engine is told: the client's headers kvgate forwards (see ``_FORWARDED_UP``), the request id
+    the engine knows this request by, and the engine's key if kvgate has one (else the client's)."""
+    headers = [(k, v) for k, v in client_headers if k.lower() in _FORWARDED_UP]
+    headers.append((b"x-request-id", engine_request_id.encode("latin-1")))
     if api_key is not None:
         headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))
+    else:
+        headers.extend((k, v) for k, v in client_headers if k.lower() == b"authorization")
     return headers
 
 

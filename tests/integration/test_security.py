@@ -46,8 +46,9 @@ def raw_request(url: str, method: str, target: str, *, key: str | None = KEY, ri
 
 
 def reached(upstream: str, rid: str) -> list[tuple[str, str]]:
-    """What the engine received for request id ``rid``: (method, target as it arrived)."""
-    return [(m, t) for m, t, r in httpx.get(upstream + "/debug/requests").json() if r == rid]
+    """What the engine received for the client's request id ``rid`` (the engine's id is ``rid-<suffix>``):
+    (method, target as it arrived)."""
+    return [(m, t) for m, t, r in httpx.get(upstream + "/debug/requests").json() if r.rpartition("-")[0] == rid]
 
 
 COMPLETION = b'{"model":"mini","prompt":"hello","max_tokens":4}'
@@ -113,6 +114,26 @@ def test_every_route_needs_a_key_and_admin_routes_open_only_when_listed(
     assert raw_request(gw, "POST", "/sleep", key=ADMIN, rid="admin-sleep") == 404  # not listed
     # kvgate's own endpoints stay open (probes and Prometheus)
     assert httpx.get(gw + "/healthz").status_code == 200 and httpx.get(gw + "/metrics").status_code == 200
+
+
+def test_without_admin_keys_an_allowed_admin_route_still_needs_a_tenant_key(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
+) -> None:
+    """Anonymous traffic is allowed on the generation routes (``require_api_key`` off), but an engine admin
+    route opened by ``passthrough.allow`` answers only to a key."""
+    upstream = mini_vllm()
+    config = {
+        "tokenizer": "heuristic",
+        "tenants": [{"name": "t", "api_keys": [KEY]}],
+        "passthrough": {"allow": ["/reset_prefix_cache"]},
+    }
+    gw = gateway(upstream, config)
+    assert raw_request(gw, "POST", "/v1/completions", key=None, rid="anon-gen", body=COMPLETION) == 200
+    assert raw_request(gw, "POST", "/reset_prefix_cache", key=None, rid="anon-reset") == 401
+    assert raw_request(gw, "POST", "/reset_prefix_cache", key="wrong", rid="wrong-reset") == 401
+    assert reached(upstream, "anon-reset") == reached(upstream, "wrong-reset") == []
+    assert raw_request(gw, "POST", "/reset_prefix_cache", rid="tenant-reset") == 200
+    assert reached(upstream, "tenant-reset") == [("POST", "/reset_prefix_cache")]
 
 
 def test_other_generation_routes_go_through_admission(

@@ -53,3 +53,31 @@ def test_validate_command(tmp_path: Path) -> None:
     no = subprocess.run([sys.executable, "-m", "gateway", "validate", str(bad)], capture_output=True, text=True)
     assert no.returncode == 1
     assert f"{bad}:2:3: admission.queue_max_length: Input should be greater than or equal to 0" in no.stderr
+
+
+@pytest.mark.parametrize(
+    ("path", "why"),
+    [
+        ("/reset_prefix_cache/", "not a canonical path"),
+        ("/café", "not a canonical path"),
+        ("/a//b", "not a canonical path"),
+        ("/metrics", "a route kvgate serves itself"),
+        ("/v1/chat/completions", "a route kvgate serves itself"),
+        ("/v1/models", "a route kvgate serves itself"),
+    ],
+)
+def test_allowed_paths_that_could_never_match_are_refused(path: str, why: str) -> None:
+    """An allow-list entry routing can never reach (a request path is matched as sent, and kvgate's own routes
+    are decided first) is a mistake the operator hears of at start-up, not a silently dead entry."""
+    text = f"passthrough:\n  allow: ['{path}']\n  admin_api_keys: [k]\n"
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "kv.yaml")
+    assert why in err.value.errors[0]
+
+
+def test_allowed_paths_need_a_key_to_call_them() -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config("passthrough:\n  allow: [/reset_prefix_cache]\n", "kv.yaml")
+    assert "only a key may call" in err.value.errors[0]
+    with_tenant_keys = "passthrough:\n  allow: [/reset_prefix_cache]\ntenants:\n  - {name: t, api_keys: [k]}\n"
+    assert parse_config(with_tenant_keys, "kv.yaml").passthrough.allow == ["/reset_prefix_cache"]

@@ -10,6 +10,7 @@ import pytest
 
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError
+from gateway.server.request_path import request_ids
 from gateway.server.response import ResponseWriter
 from gateway.upstream.forwarder import Forwarder, is_engine_busy, parse_usage, relayed_headers, upstream_headers
 
@@ -116,10 +117,42 @@ async def test_unreachable_engine_is_503_with_retry_after() -> None:
     assert err.value.status == 503 and err.value.retry_after_s is not None
 
 
-def test_headers_named_in_connection_are_not_forwarded_either_way() -> None:
-    client = [(b"connection", b"keep-alive, X-Secret"), (b"x-secret", b"1"), (b"x-kept", b"2")]
-    up = upstream_headers(client, "rid", None)
-    assert (b"x-kept", b"2") in up and all(k.lower() not in (b"x-secret", b"connection") for k, _ in up)
+def test_only_headers_the_engine_needs_are_forwarded() -> None:
+    """An allow-list: headers vLLM would act on past kvgate's decisions (a data-parallel rank, an adapter that
+    rewrites the model, the client's own request id) never reach it; the client's key does only when kvgate
+    has none of its own for the engine."""
+    client = [
+        (b"Host", b"gw"),
+        (b"Content-Type", b"multipart/form-data; boundary=x"),
+        (b"accept", b"text/event-stream"),
+        (b"traceparent", b"00-abc-def-01"),
+        (b"Authorization", b"Bearer sk-tenant"),
+        (b"x-request-id", b"client-id"),
+        (b"X-data-parallel-rank", b"3"),
+        (b"X-Amzn-SageMaker-Adapter-Identifier", b"other-model"),
+        (b"x-forwarded-for", b"10.0.0.1"),
+        (b"connection", b"keep-alive"),
+        (b"content-length", b"10"),
+    ]
+    kept = [
+        (b"Content-Type", b"multipart/form-data; boundary=x"),
+        (b"accept", b"text/event-stream"),
+        (b"traceparent", b"00-abc-def-01"),
+        (b"x-request-id", b"engine-id"),
+    ]
+    assert upstream_headers(client, "engine-id", "engine-key") == [*kept, (b"authorization", b"Bearer engine-key")]
+    assert upstream_headers(client, "engine-id", None) == [*kept, (b"Authorization", b"Bearer sk-tenant")]
+
+
+def test_the_engine_gets_its_own_request_id_and_the_client_its_own_back() -> None:
+    given = [(b"x-request-id", b"abc-1")]
+    (echo, first), (_, second) = request_ids(given), request_ids(given)
+    assert echo == "abc-1" and first.startswith("abc-1-") and second.startswith("abc-1-") and first != second
+    generated, engine = request_ids([])
+    assert generated == engine and len(generated) == 16
+
+
+def test_headers_named_in_connection_are_not_relayed_down() -> None:
     engine = [(b"Connection", b"x-internal"), (b"X-Internal", b"1"), (b"x-fine", b"2")]
     assert relayed_headers(engine) == [(b"x-fine", b"2")]
 
