@@ -61,6 +61,7 @@ class Exchange:
         self.reached_engine = False
         self.generated = 0  # SSE events relayed so far
         self.usage: Usage | None = None
+        self.broke_off = False  # its 200 stream ended in the engine's error event
         self.outcome: Outcome | None = None  # set once, when the exchange closes
 
     @property
@@ -198,7 +199,7 @@ class Exchange:
 
     def _outcome(self, exc: BaseException | None) -> Outcome:
         if exc is None:
-            return "completed"
+            return "upstream_error" if self.broke_off else "completed"
         if isinstance(exc, asyncio.CancelledError):
             return "client_disconnect"
         if isinstance(exc, GatewayError) and exc.code == "engine_busy":

@@ -164,9 +164,10 @@ class RequestPath:
         while True:
             exchange.sending()
             try:
-                exchange.usage = await self.engines.forwarder(exchange.engine).inference(
+                relayed = await self.engines.forwarder(exchange.engine).inference(
                     target, raw, headers, exchange.writer, exchange.reply_headers(), exchange.progress
                 )
+                exchange.usage, exchange.broke_off = relayed.usage, relayed.broke_off
                 break
             except EngineUnreachable:
                 if not await exchange.place_again():

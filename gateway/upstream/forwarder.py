@@ -111,13 +111,27 @@ def _first_event_is_busy(chunk: bytes) -> bool:
 
 
 def parse_usage(payload: bytes) -> Usage | None:
+    """The engine's count of a request's tokens, in any of vLLM's shapes: ``prompt_tokens`` and
+    ``completion_tokens`` (completions, chat, pooling), ``input_tokens`` and ``output_tokens`` (``/v1/responses``,
+    ``/v1/messages``), at the top or in a Responses stream's ``response.completed`` event. None when the payload
+    says no prompt count: an absent count is not a zero one (it would refund the whole charge and teach the
+    output estimate a zero)."""
     try:
-        usage = orjson.loads(payload).get("usage")
-    except (orjson.JSONDecodeError, AttributeError):
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError:
         return None
+    if not isinstance(data, dict):
+        return None
+    usage = data.get("usage")
+    if usage is None and isinstance(response := data.get("response"), dict):
+        usage = response.get("usage")
     if not isinstance(usage, dict):
         return None
-    return Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens")) or 0
+    if not isinstance(prompt, int) or prompt <= 0 or not isinstance(completion, int):
+        return None
+    return Usage(prompt, completion)
 
 
 def _usage_from_tail(tail: bytes) -> Usage | None:
@@ -129,6 +143,33 @@ def _usage_from_tail(tail: bytes) -> Usage | None:
         if event.startswith(b"data:") and b'"usage"' in event:
             return parse_usage(event[5:].strip())
     return None
+
+
+def _ends_in_error(tail: bytes) -> bool:
+    """Whether a stream's last event (``[DONE]`` aside) is an error: vLLM ends a generation that failed midway
+    with ``data: {"error": ...}`` then ``data: [DONE]`` on a 200 (``event: error`` on ``/v1/messages``), and
+    such an answer is cut short, not a measure of how long answers are."""
+    if b"error" not in tail:
+        return False
+    for event in reversed(tail.split(b"\n\n")):
+        data = event.strip().rpartition(b"data:")[2].strip()
+        if not data or data == b"[DONE]":
+            continue
+        try:
+            last = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return False
+        return isinstance(last, dict) and ("error" in last or last.get("type") == "error")
+    return False
+
+
+@dataclass(slots=True)
+class Relayed:
+    """What the client was sent, as the settlement needs it: the engine's usage, if it said, and whether the
+    answer (a 200 stream) ended in an error event."""
+
+    usage: Usage | None
+    broke_off: bool = False
 
 
 class Forwarder:
@@ -167,8 +208,8 @@ class Forwarder:
         writer: Downstream,
         extra_headers: list[tuple[bytes, bytes]],
         on_progress: Callable[[int], None],
-    ) -> Usage | None:
-        """Forward one admitted request; returns the engine's usage when it reported one."""
+    ) -> Relayed:
+        """Forward one admitted request."""
         started = time.perf_counter()
         try:
             async with await self.pool.request("POST", target, headers, body, self.timeout_s) as resp:
@@ -183,9 +224,9 @@ class Forwarder:
                 await writer.start(resp.status, [*relayed_headers(resp.headers), *extra_headers, _length(payload)])
                 await writer.body(payload)
                 self.metrics.latency.observe(time.perf_counter() - started)
-                if resp.status == 200 and media_type == "application/json":
-                    return parse_usage(payload)
-                return None
+                return Relayed(
+                    parse_usage(payload) if resp.status == 200 and media_type == "application/json" else None
+                )
         except (UpstreamError, TimeoutError) as exc:
             raise _upstream_failure(exc) from exc
 
@@ -196,7 +237,7 @@ class Forwarder:
         extra_headers: list[tuple[bytes, bytes]],
         on_progress: Callable[[int], None],
         started: float,
-    ) -> Usage | None:
+    ) -> Relayed:
         first = await resp.next_chunk() or b""
         self.metrics.ttft.observe(time.perf_counter() - started)
         if _first_event_is_busy(first):
@@ -214,7 +255,7 @@ class Forwarder:
             tail = (tail + chunk)[-_TAIL_BYTES:]
         await writer.body(b"")
         self.metrics.latency.observe(time.perf_counter() - started)
-        return _usage_from_tail(tail)
+        return Relayed(_usage_from_tail(tail), _ends_in_error(tail))
 
     async def passthrough(
         self, method: str, target: str, body: bytes, headers: list[tuple[bytes, bytes]], writer: Downstream

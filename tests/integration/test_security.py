@@ -151,7 +151,11 @@ def test_other_generation_routes_go_through_admission(
     for i, (path, body) in enumerate(bodies.items()):
         assert raw_request(gw, "POST", path, rid=f"gen-{i}", body=body) == 200, path
         assert reached(upstream, f"gen-{i}") == [("POST", path)]
-    assert scrape(gw)["kvgate_requests_admitted_total"] == len(bodies)
+    metrics = scrape(gw)
+    assert metrics["kvgate_requests_admitted_total"] == len(bodies)
+    # the engine's usage is read in the Responses and Anthropic shapes too (input_tokens / output_tokens):
+    # what those two answered (8 tokens each) is billed and learned, not taken for zero
+    assert metrics["kvgate_completion_tokens_total"] == 8 + 8
     assert raw_request(gw, "POST", "/v1/embeddings", rid="bad", body=b'{"input":""}') == 400
     assert reached(upstream, "bad") == []
     # a 400 without an error code is counted too, under its status

@@ -282,6 +282,28 @@ async def seen(request: web.Request) -> web.Response:
     return web.json_response(request.app["state"].seen)
 
 
+async def responses_or_messages(request: web.Request) -> web.Response:
+    """``/v1/responses`` and ``/v1/messages``, not streamed, answered as vLLM answers them: their usage says
+    ``input_tokens`` / ``output_tokens`` (OpenAI Responses and Anthropic shapes), not ``prompt_tokens``."""
+    st: State = request.app["state"]
+    body = orjson.loads(await request.read())
+    if request.path == "/v1/messages":
+        prompt = _prompt_tokens(body)
+        output = int(body.get("max_tokens") or 16)
+        text = " tok" * output
+        payload: dict[str, Any] = {"id": "msg-1", "type": "message", "role": "assistant", "model": st.model}
+        payload["content"] = [{"type": "text", "text": text}]
+        payload["usage"] = {"input_tokens": prompt, "output_tokens": output}
+    else:
+        given = body.get("input", "")
+        prompt = _tok.count(given) if isinstance(given, str) else _tok.count_messages(given)
+        output = int(body.get("max_output_tokens") or 16)
+        payload = {"id": "resp-1", "object": "response", "status": "completed", "model": st.model, "output": []}
+        payload["usage"] = {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output}
+    st.completed += 1
+    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+
 async def any_route(request: web.Request) -> web.Response:
     """Every other route vLLM has (admin, pooling, scoring...): answered 200, so only the gateway's routing
     decides what a client can reach."""
@@ -297,6 +319,8 @@ def make_app(args: argparse.Namespace) -> web.Application:
     app["tokenize_fault"] = getattr(args, "tokenize_fault", "none")
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_post("/v1/responses", responses_or_messages)
+    app.router.add_post("/v1/messages", responses_or_messages)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)

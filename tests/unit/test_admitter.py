@@ -209,6 +209,25 @@ async def test_the_exchange_releases_once_and_names_how_the_request_ended() -> N
     assert len(ledger) == 0 and ledger.reserved_count == ledger.released_count == 5
 
 
+async def test_a_stream_that_broke_off_with_an_error_event_teaches_no_output_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM ends a generation that failed midway with an error event on a 200 stream: that answer is cut
+    short, and learning its length would shrink the next requests' reservations right after an engine fault."""
+    admitter, _ = make()
+    learned: list[int] = []
+    monkeypatch.setattr(admitter, "learn", lambda reservation, tokens: learned.append(tokens))
+    for broke_off in (True, False):
+        ex = exchange(admitter)
+        await ex.charge_rate_limits(tenant(admitter), rc(5))
+        await ex.admit()
+        ex.sending()
+        ex.writer.status, ex.generated, ex.broke_off = 200, 3, broke_off
+        ex.close(None)
+        assert ex.outcome == ("upstream_error" if broke_off else "completed")
+    assert learned == [3] and len(admitter.controller.ledger) == 0
+
+
 def _admitted_and_released(admitter: Admitter) -> tuple[float, float]:
     metrics = {m.name: m for m in admitter.metrics.registry.collect()}
     admitted = sum(s.value for s in metrics["kvgate_requests_admitted"].samples if s.name.endswith("_total"))

@@ -56,7 +56,8 @@ async def call(forwarder: Forwarder, path: str = "inference") -> tuple[Any, list
 
     body = b'{"prompt":"x"}'
     if path == "inference":
-        usage = await forwarder.inference("/v1/completions", body, [], ResponseWriter(send), [], lambda _: None)
+        relayed = await forwarder.inference("/v1/completions", body, [], ResponseWriter(send), [], lambda _: None)
+        usage = relayed.usage
     else:
         await forwarder.passthrough("POST", "/v1/completions", body, [], ResponseWriter(send))
         usage = parse_usage(b"".join(m.get("body", b"") for m in sent[1:]))
@@ -191,3 +192,38 @@ async def test_a_stream_cut_after_its_head_ends_with_an_error_event() -> None:
     plain = ResponseWriter(send)
     await plain.start(200, [(b"content-type", b"application/json")])
     assert not await plain.stream_error(err)
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [
+        (b'{"usage": {"prompt_tokens": 7, "completion_tokens": 3}}', (7, 3)),
+        (b'{"usage": {"prompt_tokens": 7, "total_tokens": 7}}', (7, 0)),  # pooling: no output
+        (b'{"object": "response", "usage": {"input_tokens": 7, "output_tokens": 3, "total_tokens": 10}}', (7, 3)),
+        (b'{"type": "message", "usage": {"input_tokens": 7, "output_tokens": 3}}', (7, 3)),
+        (b'{"type": "response.completed", "response": {"usage": {"input_tokens": 7, "output_tokens": 3}}}', (7, 3)),
+        (b'{"usage": {"total_tokens": 10}}', None),  # no prompt count: unknown, not zero
+        (b'{"usage": {"prompt_tokens": 0, "completion_tokens": 0}}', None),
+        (b'{"usage": null}', None),
+        (b"[1, 2]", None),
+    ],
+)
+def test_usage_in_every_shape_vllm_answers_with(payload: bytes, expected: tuple[int, int] | None) -> None:
+    usage = parse_usage(payload)
+    assert (None if usage is None else (usage.prompt_tokens, usage.completion_tokens)) == expected
+
+
+@pytest.mark.parametrize(
+    ("tail", "broke_off"),
+    [
+        (b'data: {"choices": [{"delta": {"content": "a"}}]}\n\ndata: {"error": {"message": "x", "code": 500}}\n\n'
+         b"data: [DONE]\n\n", True),
+        (b'event: error\ndata: {"type": "error", "error": {"type": "api_error", "message": "x"}}\n\n', True),
+        (b'data: {"choices": [{"delta": {"content": "error"}}]}\n\ndata: [DONE]\n\n', False),
+        (b'event: message_stop\ndata: {"type": "message_stop"}\n\n', False),
+    ],
+)  # fmt: skip
+def test_a_stream_that_ends_in_an_error_event_broke_off(tail: bytes, broke_off: bool) -> None:
+    from gateway.upstream.forwarder import _ends_in_error
+
+    assert _ends_in_error(tail) is broke_off
