@@ -191,7 +191,7 @@ class Exchange:
         if self.charge is not None:
             assert self.cost is not None
             used = tokens_used(self.cost, self.usage, self.generated, self.reached_engine)
-            self._counters.settle(self.charge, used)
+            self._counters.settle(self.charge, used, self.reached_engine)
             if self.usage is not None and self.reached_engine:
                 self._metrics.prompt_tokens_estimated.inc(sum(self.cost.prompt_tokens))
                 self._metrics.prompt_tokens_actual.inc(self.usage.prompt_tokens)

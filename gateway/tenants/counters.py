@@ -37,6 +37,7 @@ from gateway.tenants.slots import Slot, SlotTable
 log = logging.getLogger("kvgate.limits")
 
 _UNLIMITED = RateDecision(True, 0.0, None, None)
+_REFILL_S = 60.0  # a per-minute bucket is full again this long after its last charge
 
 
 @dataclass(slots=True)
@@ -75,6 +76,8 @@ class TenantCounters:
         self._failing: Callable[[float], GatewayError] | None = None  # set by fail_waiters (drain)
         self._redis_held: dict[str, tuple[str, str]] = {}
         self._unreleased: dict[str, tuple[str, float]] = {}  # member -> (key, when): a release Redis did not take
+        # rate key -> (tokens, requests, limits, since when): refunds Redis did not take
+        self._owed: dict[str, tuple[float, float, RateLimits, float]] = {}
         self._members = itertools.count(1)
         self._background: set[asyncio.Task[Any]] = set()
         self._renewer: asyncio.Task[None] | None = None
@@ -122,9 +125,15 @@ class TenantCounters:
             return Charge(tp.key, tp.rates, tokens, "none", _UNLIMITED)
         charge: Charge | None = None
         if self.redis is not None and self.redis.healthy:
-            with contextlib.suppress(RedisUnavailable):
+            try:
                 decision = await self.redis.check(tp.key, tp.rates, tokens)
                 charge = Charge(tp.key, tp.rates, tokens, "redis", decision)
+            except RedisUnavailable as exc:
+                if isinstance(exc.__cause__, TimeoutError):  # the script most likely ran: its answer came late
+                    self._refund_redis(tp.key, tp.rates, tokens, 1)
+            except asyncio.CancelledError:  # the client left while Redis charged it
+                self._refund_redis(tp.key, tp.rates, tokens, 1)
+                raise
         if charge is None:
             rates = tp.rates
             if self.redis is not None:
@@ -143,15 +152,36 @@ class TenantCounters:
             )
         return charge
 
-    def settle(self, charge: Charge, actual: int) -> None:
-        """Refund the unused part of the pre-charge, to the counter that took it; never waits on Redis."""
-        unused = charge.tokens - actual
-        if unused <= 0 or not charge.rates.tokens_per_minute:
-            return
+    def settle(self, charge: Charge, actual: int, reached_engine: bool = True) -> None:
+        """Refund the unused part of the pre-charge, to the counter that took it, and the request itself if
+        it never reached the engine (kvgate turned it away, or its client left first); never waits on Redis."""
+        unused = max(0, charge.tokens - actual)
         if charge.backend == "local":
-            self.local.settle(charge.key, charge.tokens, actual, self.clock())
-        elif charge.backend == "redis" and self.redis is not None:
-            self._spawn(self.redis.refund(charge.key, charge.rates, unused))
+            self.local.settle(charge.key, charge.tokens, actual, self.clock(), request=reached_engine)
+        elif charge.backend == "redis":
+            self._refund_redis(charge.key, charge.rates, unused, 0 if reached_engine else 1)
+
+    def _refund_redis(
+        self, key: str, rates: RateLimits, tokens: float, requests: float, since: float | None = None
+    ) -> None:
+        """Give back to the shared buckets in the background; what Redis does not take is owed, and retried
+        with the slot renewals for up to a minute (by then the bucket has refilled by itself)."""
+        redis = self.redis
+        tokens = tokens if rates.tokens_per_minute else 0
+        requests = requests if rates.requests_per_minute else 0
+        if redis is None or (tokens <= 0 and requests <= 0):
+            return
+        owed_since = self.clock() if since is None else since
+
+        async def refund() -> None:
+            try:
+                await redis.refund(key, rates, tokens, requests)
+            except RedisUnavailable:
+                owed_tokens, owed_requests, _, first = self._owed.get(key, (0.0, 0.0, rates, owed_since))
+                self._owed[key] = (owed_tokens + tokens, owed_requests + requests, rates, min(first, owed_since))
+                raise
+
+        self._spawn(refund())
 
     def _refuse_if_closed(self, tp: TenantPolicy) -> None:
         if self.cfg.on_failure == "closed":
@@ -322,6 +352,11 @@ class TenantCounters:
                 del self._unreleased[member]  # its lease has run out: Redis dropped it by itself
             else:
                 self._release_redis(key, member)
+        refilled = self.clock() - _REFILL_S
+        for key, (tokens, requests, rates, since) in list(self._owed.items()):
+            del self._owed[key]
+            if since >= refilled:  # older: the bucket has refilled by itself since
+                self._refund_redis(key, rates, tokens, requests, since)
 
     async def _renew_leases(self) -> None:
         while True:

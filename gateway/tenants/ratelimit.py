@@ -140,11 +140,15 @@ class RateLimiter:
             exceeded,
         )
 
-    def settle(self, key: str, charged: int, actual: int, now: float) -> None:
-        """Refund the part of the pre-charge the request did not use."""
+    def settle(self, key: str, charged: int, actual: int, now: float, request: bool = True) -> None:
+        """Refund the part of the pre-charge the request did not use, and the request itself when it never
+        counted (``request`` False: kvgate turned it away before the engine saw it)."""
         tok_bucket = self._tokens.get(key)
         if tok_bucket and actual < charged:
             tok_bucket.refund(charged - actual, now)
+        req_bucket = self._requests.get(key)
+        if req_bucket and not request:
+            req_bucket.refund(1, now)
 
 
 def _state(bucket: TokenBucket | None, now: float) -> LimitState | None:

@@ -78,20 +78,25 @@ redis.call('PEXPIRE', key, 61000)
 return {allowed, tostring(r), tostring(tk), tostring(rwait), tostring(twait)}
 """
 
-# Give back unused pre-charged tokens, at the capacity the bucket was last charged with (as TokenBucket.refund
-# does; the next check resizes it). ARGV: tpm (for a key written before the capacity was stored), amount.
+# Give back unused pre-charged tokens (and requests), at the capacity the bucket was last charged with (as
+# TokenBucket.refund does; the next check resizes it). ARGV: rpm, tpm (for a key written before the capacity
+# was stored), requests, tokens.
 _REFUND = """
 local key = KEYS[1]
-local tpm, amount = tonumber(ARGV[1]), tonumber(ARGV[2])
-local v = redis.call('HMGET', key, 't', 'tt', 'tc')
-if not v[1] then return 0 end
-local cap = tonumber(v[3]) or tpm
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local level, ts = tonumber(v[1]), tonumber(v[2])
-if now > ts then level = level + (now - ts) * cap / 60 end
-level = math.min(cap, level + amount)
-redis.call('HSET', key, 't', tostring(level), 'tt', tostring(now))
+local function refund(field, stamp, stored_cap, per_minute, amount)
+  if amount <= 0 then return end
+  local v = redis.call('HMGET', key, field, stamp, stored_cap)
+  if not v[1] then return end
+  local cap = tonumber(v[3]) or per_minute
+  local level, ts = tonumber(v[1]), tonumber(v[2])
+  if now > ts then level = level + (now - ts) * cap / 60 end
+  level = math.min(cap, level + amount)
+  redis.call('HSET', key, field, tostring(level), stamp, tostring(now))
+end
+refund('r', 'rt', 'rc', tonumber(ARGV[1]), tonumber(ARGV[3]))
+refund('t', 'tt', 'tc', tonumber(ARGV[2]), tonumber(ARGV[4]))
 return 1
 """
 
@@ -476,10 +481,12 @@ class RedisState:
             exceeded,
         )
 
-    async def refund(self, key: str, limits: RateLimits, amount: int) -> None:
-        tpm = limits.tokens_per_minute
-        if tpm and amount > 0:
-            await self._call(lambda: self._refund(keys=[self.key("rl", key)], args=[tpm, amount]))
+    async def refund(self, key: str, limits: RateLimits, tokens: float, requests: float = 0) -> None:
+        rpm, tpm = limits.requests_per_minute or 0, limits.tokens_per_minute or 0
+        tokens, requests = (tokens if tpm else 0), (requests if rpm else 0)
+        if tokens > 0 or requests > 0:
+            args = [rpm, tpm, requests, tokens]
+            await self._call(lambda: self._refund(keys=[self.key("rl", key)], args=args))
 
     # --- concurrency slots --------------------------------------------------------------------------
 

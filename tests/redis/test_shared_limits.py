@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -309,4 +310,49 @@ async def test_fail_waiters_ends_waits_for_shared_slots(redis_server: RedisServe
     assert limits.redis is not None
     await asyncio.sleep(0.1)  # the release runs in the background
     assert await members(redis_server, limits.redis.key("slots", tp.key)) == []
+    await limits.close()
+
+
+async def test_a_charge_answered_too_late_and_a_refund_redis_missed_are_given_back(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis runs the charge but its answer comes after ``timeout_s`` (the request is charged locally
+    instead): that shared charge is refunded; and a refund that missed its own timeout is owed and retried
+    with the slot renewals. Before, both leaked for the rest of the minute: 429s on every replica. The
+    lateness is injected around the real scripts; what they do to the buckets is Redis's."""
+    limits = TenantCounters(rcfg(redis_server, timeout_s=0.05), GatewayMetrics())
+    await limits.start()
+    state = limits.redis
+    assert state is not None
+    run_check, run_refund, late = state._check, state._refund, [True]
+
+    async def answered_late(**kw: Any) -> Any:
+        out = await run_check(**kw)  # charged in Redis...
+        await asyncio.sleep(1.0)  # ...but the answer misses the timeout
+        return out
+
+    async def missed_once(**kw: Any) -> Any:
+        if late:
+            late.pop()
+            await asyncio.sleep(1.0)  # this one never reaches Redis in time
+        return await run_refund(**kw)
+
+    monkeypatch.setattr(state, "_check", answered_late)
+    monkeypatch.setattr(state, "_refund", missed_once)
+    tp = tenant()  # 10 requests and 1,000 tokens a minute
+    assert (await limits.check(tp, 400)).backend == "local"  # charged here instead
+    monkeypatch.setattr(state, "_check", run_check)
+    admin = aioredis.Redis(host="127.0.0.1", port=redis_server.port)
+    bucket = state.key("rl", tp.key)
+    assert float(await admin.hget(bucket, "t") or 0) <= 600  # the late charge landed
+    for _ in range(200):  # until the shared tokens are back to full (renewals retry what is owed)
+        await limits.renew_leases()
+        if float(await admin.hget(bucket, "t") or 0) >= 1000 and state.healthy:
+            break
+        await asyncio.sleep(0.05)
+    after = await state.check(tp.key, tp.rates, 1)
+    assert after.requests is not None and after.tokens is not None
+    assert (after.requests.remaining, after.tokens.remaining) == (9, 999)  # only this last check is charged
+    assert not late  # the refund did miss once
+    await admin.aclose()
     await limits.close()

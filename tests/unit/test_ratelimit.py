@@ -27,6 +27,18 @@ def test_tokens_are_refunded_on_settle() -> None:
     assert rl.check("a", 800, 0.0, a).allowed
 
 
+def test_a_request_turned_away_before_the_engine_gives_its_request_back() -> None:
+    """Refused by the queue (or its client gone) before the engine saw it: the request does not count
+    against requests per minute, so a client retrying after kvgate's own Retry-After is not then refused by
+    its rate limit."""
+    rl, a = RateLimiter(), RateLimits(requests_per_minute=1, tokens_per_minute=1000)
+    assert rl.check("a", 100, 0.0, a).allowed
+    rl.settle("a", charged=100, actual=0, now=0.0, request=False)
+    assert rl.check("a", 100, 0.0, a).allowed  # the one request a minute is still there
+    rl.settle("a", charged=100, actual=100, now=0.0)  # this one reached the engine
+    assert not rl.check("a", 100, 0.0, a).allowed
+
+
 def test_never_fits() -> None:
     d = RateLimiter().check("a", 101, 0.0, RateLimits(tokens_per_minute=100))
     assert not d.allowed and math.isinf(d.retry_after_s)
