@@ -211,7 +211,7 @@ class Admitter:
         ticket = decision.ticket
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Reservation] = loop.create_future()
-        timer = loop.call_at(loop.time() + (ticket.deadline - now), self._expire)
+        timer = loop.call_at(loop.time() + (ticket.deadline - now), self._expire, ticket.id)
         self._waiters[ticket.id] = (ticket, future, timer)
         self._shed(decision.shed, now)
         self.pump()  # it may be at the head already (a fairer tenant than the one that was waiting)
@@ -346,8 +346,17 @@ class Admitter:
             else:
                 future.set_result(reservation)
 
-    def _expire(self) -> None:
+    def _expire(self, ticket_id: int | None = None) -> None:
+        """Answer every queued request whose deadline has passed; ``ticket_id``'s timer fired. A timer may
+        fire before its deadline (uvloop rounds delays to whole milliseconds): a ticket not due yet gets a
+        timer again, or it would wait past its budget with none left."""
         now = self.clock()
+        waiting = self._waiters.get(ticket_id) if ticket_id is not None else None
+        if waiting is not None and waiting[0].deadline > now:
+            ticket, future, _ = waiting
+            loop = asyncio.get_running_loop()
+            timer = loop.call_at(loop.time() + max(0.001, ticket.deadline - now), self._expire, ticket.id)
+            self._waiters[ticket.id] = (ticket, future, timer)
         for ticket in self.controller.expire(now):
             _, future, _ = self._waiters.pop(ticket.id)
             if not future.done():

@@ -107,6 +107,34 @@ async def test_deadline_gives_503_with_retry_after() -> None:
     assert len(admitter.controller.ledger) == 0
 
 
+async def test_a_deadline_timer_that_fires_early_is_armed_again() -> None:
+    """uvloop rounds timer delays to whole milliseconds, so a queued request's timer can fire just before its
+    deadline: the request must get a timer again, not wait past its budget with none left."""
+    admitter, clock = make(queue_max_wait_s=1.0)
+    gate = asyncio.Event()
+    blocker = asyncio.create_task(hold(admitter, 90, gate))
+    await asyncio.sleep(0)
+    waiter = asyncio.create_task(hold(admitter, 10, asyncio.Event()))
+    await asyncio.sleep(0)
+    (ticket_id,) = admitter._waiters
+    _, _, timer = admitter._waiters[ticket_id]
+    timer.cancel()
+    clock.now = 0.999  # the timer fires 1 ms early
+    admitter._expire(ticket_id)
+    assert not waiter.done()
+    clock.now = 1.0  # the deadline passes: the timer armed again answers it
+    for _ in range(1000):
+        if waiter.done():
+            break
+        await asyncio.sleep(0.001)
+    with pytest.raises(GatewayError) as err:
+        await waiter
+    assert err.value.status == 503
+    gate.set()
+    await blocker
+    assert len(admitter.controller.ledger) == 0
+
+
 async def test_cancel_in_the_instant_of_admission_returns_the_blocks() -> None:
     admitter, _ = make()
     gate = asyncio.Event()
