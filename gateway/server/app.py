@@ -104,7 +104,6 @@ class Gateway:
             admitter=self.admitter,
             engines=self.pool,
             limits=config.limits,
-            passthrough=config.passthrough,
             upstream_api_key=config.upstream.api_key,
             metrics=self.metrics,
             draining=lambda: self.draining,
@@ -120,10 +119,11 @@ class Gateway:
 
     @staticmethod
     def _policy(config: GatewayConfig, version: int) -> Policy:
-        return Policy(config.auth, config.tenants, config.admission.queue_max_wait_s, version)
+        return Policy(config.auth, config.tenants, config.admission.queue_max_wait_s, version, config.passthrough)
 
     def apply_policy(self, config: GatewayConfig) -> None:
-        """A reloaded, valid config: swap in its tenants and auth as one new snapshot, between requests."""
+        """A reloaded, valid config: swap in its tenants, auth and passthrough as one new snapshot, between
+        requests."""
         self.policy = self._policy(config, self.policy.version + 1)
 
     # --- ASGI ---------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.admission.admitter import Admitter
-from gateway.config import PassthroughConfig, RequestLimitsConfig
+from gateway.config import RequestLimitsConfig
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.bodies import parse_body
 from gateway.protocol.errors import GatewayError, payload_too_large, shutting_down
@@ -28,7 +28,6 @@ from gateway.server.exchange import Exchange
 from gateway.server.hints import client_hints
 from gateway.server.pacing import ArrivalPacer
 from gateway.server.response import ResponseWriter, Send
-from gateway.tenants.auth import AdminKeys
 from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import Policy
 from gateway.tokens.estimator import CostEstimator
@@ -50,7 +49,6 @@ class RequestPath:
         admitter: Admitter,
         engines: EnginePool,
         limits: RequestLimitsConfig,
-        passthrough: PassthroughConfig,
         upstream_api_key: str | None,
         metrics: GatewayMetrics,
         draining: Callable[[], bool],
@@ -62,8 +60,6 @@ class RequestPath:
         self.admitter = admitter
         self.engines = engines
         self.limits = limits
-        self.allowed = frozenset(passthrough.allow)
-        self.admin_keys = AdminKeys(passthrough.admin_api_keys)
         self.upstream_api_key = upstream_api_key
         self.metrics = metrics
         self.draining = draining
@@ -87,17 +83,17 @@ class RequestPath:
             async with exchange:
                 if self.draining():
                     raise shutting_down(1.0)
+                policy = self.policy()
                 raw_path = raw_path_of(scope)
-                where = route(scope["method"], raw_path, self.allowed)
+                where = route(scope["method"], raw_path, policy.allowed)
                 query = scope.get("query_string")
                 target = raw_path + "?" + query.decode("latin-1") if query else raw_path
-                policy = self.policy()
                 authorization = _header(scope["headers"], b"authorization")
                 if where.kind == "allowed":
                     # the engine's admin routes answer to the admin keys alone, or else to a tenant's key:
                     # never to an anonymous caller, whatever auth.require_api_key says
-                    if self.admin_keys:
-                        self.admin_keys.check(authorization)
+                    if policy.admin_keys:
+                        policy.admin_keys.check(authorization)
                     else:
                         policy.authenticate(authorization, anonymous=False)
                     await self.passthrough(exchange, target, scope, receive, watch)

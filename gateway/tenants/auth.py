@@ -24,7 +24,7 @@ def _digest_of(key: str) -> str:
 
 class AdminKeys:
     """The keys that may call allow-listed admin routes (``passthrough.admin_api_keys``); none configured means
-    any tenant that authenticates may."""
+    a tenant's key may (never an anonymous caller)."""
 
     def __init__(self, keys: Iterable[str]) -> None:
         self._digests = frozenset(_digest_of(k) for k in keys)

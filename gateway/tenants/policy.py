@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.admission.queue import QueueClass, priority_rank
-from gateway.config import AuthConfig, TenantConfig, TenantLimits
-from gateway.tenants.auth import TenantDirectory
+from gateway.config import AuthConfig, PassthroughConfig, TenantConfig, TenantLimits
+from gateway.tenants.auth import AdminKeys, TenantDirectory
 from gateway.tenants.ratelimit import RateLimits
 
 # The longest wait a client may ask for when its tenant sets no limit: the OpenAI SDKs' default read timeout.
@@ -38,10 +38,20 @@ class TenantPolicy:
 
 
 class Policy:
-    def __init__(self, auth: AuthConfig, tenants: list[TenantConfig], default_wait_s: float, version: int = 1) -> None:
+    def __init__(
+        self,
+        auth: AuthConfig,
+        tenants: list[TenantConfig],
+        default_wait_s: float,
+        version: int = 1,
+        passthrough: PassthroughConfig | None = None,
+    ) -> None:
         self.version = version
         self.default_wait_s = default_wait_s
         self.directory = TenantDirectory(auth, tenants)
+        passthrough = passthrough or PassthroughConfig()
+        self.allowed = frozenset(passthrough.allow)  # engine admin routes opened, and who may call them
+        self.admin_keys = AdminKeys(passthrough.admin_api_keys)
         self.tenants = {t.name: t for t in tenants}
         # Keyed by names from the config only (a tenant, and one of its overridden models or None), so its size
         # is bounded by the config, not by what clients send.

@@ -29,7 +29,7 @@ from gateway.metrics import GatewayMetrics
 log = logging.getLogger("kvgate.reload")
 
 # What a reload applies; every other section needs a restart.
-RELOADABLE = frozenset({"auth", "tenants", "reload"})
+RELOADABLE = frozenset({"auth", "tenants", "passthrough", "reload"})
 
 Signature = tuple[str, int, int, int]
 

@@ -60,3 +60,35 @@ def test_an_emptied_config_keeps_the_policy(mini_vllm: Callable[..., str], procs
     settle()
     assert statuses(gw.url, [None, "kt", "kt2"]) == [401, 401, 200]
     assert scrape(gw.url)["kvgate_policy_reloads_total{result=applied}"] == 1
+
+
+def test_a_reload_revokes_an_admin_key_and_closes_a_route(
+    mini_vllm: Callable[..., str], procs: list[Proc], tmp_path: Path
+) -> None:
+    """``passthrough`` is part of the reloaded policy: a leaked admin key taken out of the ConfigMap, or a
+    route taken off the allow-list, stops working without a restart (it kept working until one)."""
+    config: dict[str, object] = {
+        "tokenizer": "heuristic",
+        "reload": {"interval_s": 0.05},
+        "tenants": [{"name": "t", "api_keys": ["kt"]}],
+        "passthrough": {"allow": ["/reset_prefix_cache", "/sleep"], "admin_api_keys": ["leaked", "new"]},
+    }
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    procs.append(start_gateway(mini_vllm(), path))
+    gw = procs[-1]
+
+    def status(route: str, key: str) -> int:
+        return httpx.post(gw.url + route, headers={"authorization": f"Bearer {key}"}).status_code
+
+    assert [status("/reset_prefix_cache", "leaked"), status("/sleep", "new")] == [200, 200]
+    config["passthrough"] = {"allow": ["/reset_prefix_cache"], "admin_api_keys": ["new"]}
+    (tmp_path / "next.yaml").write_text(yaml.safe_dump(config))
+    os.replace(tmp_path / "next.yaml", path)
+    for _ in range(1200):  # until the new policy is in (a few polls of 0.05 s)
+        if httpx.get(gw.url + "/readyz").json()["policy_version"] >= 2:
+            break
+        time.sleep(0.05)
+    assert [status("/reset_prefix_cache", "leaked"), status("/reset_prefix_cache", "new")] == [403, 200]
+    assert status("/sleep", "new") == 404
+    assert "take effect only after a restart" not in gw.log()
