@@ -10,6 +10,7 @@ response head until the first chunk has arrived so that both can become a proper
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ import orjson
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError, engine_busy
 from gateway.upstream.http_client import ConnectFailed, Pool, Response, UpstreamError
+
+log = logging.getLogger("kvgate.upstream")
 
 HOP_BY_HOP = frozenset(
     {
@@ -189,6 +192,7 @@ class Forwarder:
     ) -> None:
         self.metrics = metrics
         self.timeout_s = timeout_s
+        self.base_url = base_url
         self.pool = Pool(
             base_url,
             connect_timeout_s=connect_timeout_s,
@@ -199,6 +203,10 @@ class Forwarder:
 
     async def close(self) -> None:
         await self.pool.close()
+
+    def _failure(self, exc: BaseException) -> GatewayError:
+        log.warning("engine %s: %s: %s", self.base_url, type(exc).__name__, exc)
+        return _upstream_failure(exc)
 
     async def inference(
         self,
@@ -228,7 +236,7 @@ class Forwarder:
                     parse_usage(payload) if resp.status == 200 and media_type == "application/json" else None
                 )
         except (UpstreamError, TimeoutError) as exc:
-            raise _upstream_failure(exc) from exc
+            raise self._failure(exc) from exc
 
     async def _relay_stream(
         self,
@@ -270,7 +278,7 @@ class Forwarder:
                     await writer.body(chunk, more=True)
                 await writer.body(b"")
         except (UpstreamError, TimeoutError) as exc:
-            raise _upstream_failure(exc) from exc
+            raise self._failure(exc) from exc
 
 
 class EngineUnreachable(GatewayError):
@@ -282,18 +290,16 @@ class EngineUnreachable(GatewayError):
 
 
 def _upstream_failure(exc: BaseException) -> GatewayError:
-    """What the client is told when the engine could not be reached or broke off (503, 504 or 502)."""
+    """What the client is told when the engine could not be reached or broke off (503, 504 or 502): what
+    happened, never where (the engine's address and the OS error go to kvgate's log)."""
     if isinstance(exc, ConnectFailed):
-        return EngineUnreachable(f"The inference engine is unreachable: {exc}")
+        return EngineUnreachable("The inference engine is unreachable.")
     if isinstance(exc, TimeoutError):
         return GatewayError(
             504, "The inference engine did not answer in time.", type="upstream_error", code="upstream_timeout"
         )
     return GatewayError(
-        502,
-        f"The inference engine dropped the connection: {type(exc).__name__}: {exc}",
-        type="upstream_error",
-        code="upstream_disconnected",
+        502, "The inference engine dropped the connection.", type="upstream_error", code="upstream_disconnected"
     )
 
 

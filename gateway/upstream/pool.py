@@ -150,7 +150,7 @@ class EnginePool:
         """The client of the engine a request was placed on (it may have left the pool meanwhile)."""
         engine = self.engines.get(url) or self._retired.get(url)
         if engine is None:
-            raise upstream_unavailable(f"The engine {url} has left the pool.", 1.0)
+            raise upstream_unavailable("The engine this request was placed on has left the pool.", 1.0)
         return engine.forwarder
 
     def any_forwarder(self) -> Forwarder:
