@@ -23,7 +23,7 @@ from gateway.admission.affinity import prefix_chain
 from gateway.admission.controller import DEFAULT_ENGINE, AdmissionController, Admitted, Queued, UsageSample
 from gateway.admission.engine import SampleMark
 from gateway.admission.ledger import Reservation
-from gateway.admission.queue import PRIORITIES, QueueClass, Ticket
+from gateway.admission.queue import PRIORITIES, STANDARD, QueueClass, Ticket
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError, queue_full, queue_timeout, wait_predicted
 from gateway.protocol.prompt_prefix import leading_bytes
@@ -41,10 +41,18 @@ class SharedBooks(Protocol):
     cannot say right now."""
 
     async def claim(
-        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
+        self,
+        engine: str,
+        member: str,
+        blocks: int,
+        limit: int,
+        mark: SampleMark | None,
+        waited_s: float = 0.0,
+        priority: int = STANDARD,
     ) -> tuple[bool, int] | None:
-        """Claim ``blocks`` if the other replicas' (with their requests queued longer than ``waited_s``) fit
-        under ``limit``: (claimed, theirs)."""
+        """Claim ``blocks`` if the other replicas' (with their queued requests that go before this one: a
+        higher class, or class ``priority`` and queued longer than ``waited_s``) fit under ``limit``:
+        (claimed, theirs)."""
         ...
 
     async def restate(
@@ -53,13 +61,13 @@ class SharedBooks(Protocol):
         held: dict[str, tuple[int, int]],
         mark: SampleMark | None,
         everything: bool = False,
-        waiting: tuple[tuple[float, int], ...] = (),
+        waiting: tuple[tuple[float, int, int], ...] = (),
         peak: tuple[int, int] | None = None,
         upto: int | None = None,
     ) -> int | None:
         """Set this replica's claims on ``engine``, (blocks, of which ``mark``'s sample shows) each (0 blocks
         removes one; ``everything``: unlisted ones up to ``upto`` go too), what the first requests of its queue
-        have waited and need (``waiting``), and ``peak``: (restate number, the most its reservations
+        have waited and need, and their class (``waiting``), and ``peak``: (restate number, the most its reservations
         up to ``upto``, the newest one it knew of, can hold at once)."""
         ...
 
@@ -135,14 +143,18 @@ class Admitter:
             admission = await self._acquire_here(
                 cost, tenant, remaining, qclass, body_bytes, key, retry, prefix, started
             )
-            refused = None if self.shared is None else await self._claim(admission.reservation, self.clock() - started)
+            if self.shared is None:
+                refused = None
+            else:
+                priority = STANDARD if qclass is None else qclass.priority
+                refused = await self._claim(admission.reservation, self.clock() - started, priority)
             if refused is None:
                 self.controller.placed(admission.reservation)
                 return admission
             self.release(admission.reservation, refused)
             retry = True
 
-    async def _claim(self, res: Reservation, waited_s: float) -> str | None:
+    async def _claim(self, res: Reservation, waited_s: float, priority: int) -> str | None:
         """Claim ``res``'s blocks in the shared books: None when claimed; else why not, as the release's
         outcome: ``claim_refused`` (the other replicas hold too much there now, or requests queued there for
         longer than ``waited_s`` need the room) or ``claim_unanswered`` (the books cannot say, and the
@@ -155,7 +167,13 @@ class Admitter:
         try:
             now = self.clock()
             answer = await self.shared.claim(
-                res.engine, str(res.id), res.blocks, book.room_for_others(now), book.shared_mark(now), waited_s
+                res.engine,
+                str(res.id),
+                res.blocks,
+                book.room_for_others(now),
+                book.shared_mark(now),
+                waited_s,
+                priority,
             )
         except BaseException:
             self.release(res, "client_disconnect")

@@ -430,13 +430,13 @@ class AdmissionController:
             admitted.append((head, res))
         return admitted
 
-    def queued_first(self, now: float, count: int = QUEUE_SHOWN) -> tuple[tuple[float, int], ...]:
+    def queued_first(self, now: float, count: int = QUEUE_SHOWN) -> tuple[tuple[float, int, int], ...]:
         """The first ``count`` requests of the queue, in the order they would be admitted: (seconds each has
-        waited since it first arrived, its blocks). Other gateway replicas let them go before their younger
-        requests; more than the head, or a replica admitting a burst into freed room would take all of it but
-        the head's share."""
+        waited since it first arrived, its blocks, its class). Other gateway replicas let them go before
+        their requests of a lower class and their younger ones of the same class; more than the head, or a
+        replica admitting a burst into freed room would take all of it but the head's share."""
         return tuple(
-            (now - (t.enqueued_at if t.arrived_at is None else t.arrived_at), t.cost.blocks)
+            (now - (t.enqueued_at if t.arrived_at is None else t.arrived_at), t.cost.blocks, t.priority)
             for t in self.queue.in_order(first=count)
         )
 

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.admission.queue import STANDARD
 from gateway.config import RedisConfig
 from gateway.tenants.ratelimit import LimitState, RateDecision, RateLimits
 
@@ -143,14 +144,15 @@ return #KEYS
 # them: less what they showed of themselves in the latest of their samples no newer than that one (the
 # engine's counters order its samples), whole if none is. The sample before is there because the replicas'
 # scrapes interleave: half the time the other's latest is newer than this one's, its previous one older.
-# KEYS[4]: a hash (replica prefix -> "expiry since blocks [since blocks ...]": the first requests of its queue,
-# each waiting since ``since``, ms Redis time, and needing ``blocks``; the entry lapses at ``expiry``). Another
-# replica's queued request that has waited longer than ``mine`` (ms Redis time; this replica's oldest waiting
-# request, or the one it claims for) counts as held: the engines serve the replicas' queues oldest first, as
-# one queue, rather than each replica refilling the room its own requests free. KEYS[5]: a hash (replica
-# prefix -> "seq peak upto expiry": the most its reservations up to id ``upto`` can hold at one future moment,
-# as its own ledger projected them decoding in lockstep when it took its restate number ``seq``; a restate
-# older than the one stored is ignored).
+# KEYS[4]: a hash (replica prefix -> "expiry since blocks class [since blocks class ...]": the first requests
+# of its queue in serving order, each waiting since ``since``, ms Redis time, needing ``blocks``, of priority
+# ``class`` (0 = critical); the entry lapses at ``expiry``). Another replica's queued request that goes before
+# ``mine`` (this replica's head, or the request it claims for: since, class) counts as held: one of a higher
+# class, or of the same class waiting since earlier. The engines serve the replicas' queues as one queue, in
+# the order each serves its own, rather than each replica refilling the room its own requests free.
+# KEYS[5]: a hash (replica prefix -> "seq peak upto expiry": the most its reservations up to id ``upto`` can
+# hold at one future moment, as its own ledger projected them decoding in lockstep when it took its restate
+# number ``seq``; a restate older than the one stored is ignored).
 # Weighed without a sample (whole claims), a replica with a live peak counts as that peak plus its members
 # above ``upto`` (claimed since), whole: its members up to ``upto`` are in the peak whether or not Redis still
 # has them, and a late or stale peak only counts for more. The sum over replicas of their peaks bounds the peak
@@ -167,7 +169,7 @@ local function shown_by(entry, process, tokens)
   if pn ~= '' and tonumber(pt) <= tokens then return tonumber(pn) end
   return 0
 end
-local function older_heads(waiting, prefix, now, mine)
+local function older_heads(waiting, prefix, now, mine, mine_class)
   local sum = 0
   local all = redis.call('HGETALL', waiting)
   for i = 1, #all, 2 do
@@ -175,26 +177,33 @@ local function older_heads(waiting, prefix, now, mine)
     if tonumber(expiry) <= now then
       redis.call('HDEL', waiting, all[i])
     elseif all[i] ~= prefix then
-      for since, need in string.gmatch(queued, '(%S+) (%S+)') do
-        if tonumber(since) < mine then sum = sum + tonumber(need) end
+      for since, need, class in string.gmatch(queued, '(%S+) (%S+) (%S+)') do
+        local c = tonumber(class)
+        if c < mine_class or (c == mine_class and tonumber(since) < mine) then sum = sum + tonumber(need) end
       end
     end
   end
   return sum
 end
--- A claim granted: the queued request it was (the one nearest ``mine``, within 250 ms) waits no more.
-local function left_queue(waiting, prefix, mine)
+-- A claim granted: the queued request it was (of its class, the one nearest ``mine``, within 250 ms) waits
+-- no more.
+local function left_queue(waiting, prefix, mine, mine_class)
   local entry = redis.call('HGET', waiting, prefix)
   if not entry then return end
   local expiry, queued = string.match(entry, '^(%S+)(.*)$')
   local nearest, gap = nil, 250
-  for since in string.gmatch(queued, '(%S+) %S+') do
-    if math.abs(tonumber(since) - mine) <= gap then nearest, gap = since, math.abs(tonumber(since) - mine) end
+  for since, class in string.gmatch(queued, '(%S+) %S+ (%S+)') do
+    local off = math.abs(tonumber(since) - mine)
+    if tonumber(class) == mine_class and off <= gap then nearest, gap = since, off end
   end
   if not nearest then return end
   local kept, dropped = expiry, false
-  for since, need in string.gmatch(queued, '(%S+) (%S+)') do
-    if since == nearest and not dropped then dropped = true else kept = kept .. ' ' .. since .. ' ' .. need end
+  for since, need, class in string.gmatch(queued, '(%S+) (%S+) (%S+)') do
+    if since == nearest and tonumber(class) == mine_class and not dropped then
+      dropped = true
+    else
+      kept = kept .. ' ' .. since .. ' ' .. need .. ' ' .. class
+    end
   end
   redis.call('HSET', waiting, prefix, kept)
 end
@@ -246,21 +255,21 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
 # Claim ``blocks`` for a new reservation if the other replicas' blocks, as this replica's sample sees them, and
-# their requests queued for longer than this one fit under ``limit`` (what this replica's own projection
-# leaves for them). ARGV: prefix, member, blocks, limit, lease ms, process, tokens, ms this request has waited.
-# A claim granted takes its request out of this replica's waiting entry. Returns {claimed, others}.
+# their queued requests that go before this one fit under ``limit`` (what this replica's own projection
+# leaves for them). ARGV: prefix, member, blocks, limit, lease ms, process, tokens, ms this request has waited,
+# its class. A claim granted takes its request out of this replica's waiting entry. Returns {claimed, others}.
 _CLAIM = (
     _OTHERS
     + """
 local prefix, member, blocks, limit, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local mine = now - tonumber(ARGV[8])
+local mine, mine_class = now - tonumber(ARGV[8]), tonumber(ARGV[9])
 local sum = others(KEYS[1], KEYS[2], KEYS[3], KEYS[5], prefix, now, ARGV[6], tonumber(ARGV[7]))
-sum = sum + older_heads(KEYS[4], prefix, now, mine)
+sum = sum + older_heads(KEYS[4], prefix, now, mine, mine_class)
 if sum > limit then return {0, sum} end
 redis.call('ZADD', KEYS[1], now + lease, member)
 redis.call('HSET', KEYS[2], member, blocks)
 redis.call('HDEL', KEYS[3], member)
-left_queue(KEYS[4], prefix, mine)
+left_queue(KEYS[4], prefix, mine, mine_class)
 expire(lease)
 return {1, sum}
 """
@@ -268,25 +277,26 @@ return {1, sum}
 
 # Restate this replica's members: leases renewed, and how much of each its latest sample (process, tokens)
 # shows; 0 blocks removes one. ARGV: prefix, lease ms, everything (1: this replica's members not listed are
-# removed too), process, tokens, the first requests of its queue ("ttl-ms waited-ms blocks [waited-ms blocks
-# ...]", or '' for none: its waiting entry is set to them), "seq peak" (its restate number and its
-# reservations' peak, '' for none), the newest reservation it knew of (the peak's ``upto``; with everything, a
-# member of its not listed is removed only up to that one: a claim made after the restate was taken, and
-# landed before it, stays), then member, blocks, shown triples. Returns the other replicas' sum, with their
-# requests queued for longer than this replica's oldest (or than a request arriving now).
+# removed too), process, tokens, the first requests of its queue in serving order ("ttl-ms waited-ms blocks
+# class [waited-ms blocks class ...]", or '' for none: its waiting entry is set to them), "seq peak" (its
+# restate number and its reservations' peak, '' for none), the newest reservation it knew of (the peak's
+# ``upto``; with everything, a member of its not listed is removed only up to that one: a claim made after the
+# restate was taken, and landed before it, stays), then member, blocks, shown triples. Returns the other
+# replicas' sum, with their queued requests that go before this replica's head (or, its queue empty, all of
+# them: before whatever arrives now).
 _RESTATE = (
     _OTHERS
     + """
 local prefix, lease, everything = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1'
 local process, tokens = ARGV[4], tonumber(ARGV[5])
-local mine = now
+local mine, mine_class = now, 1000
 local ttl, queued = string.match(ARGV[6], '^(%S+)(.*)$')
 if ttl then
   local entry = tostring(now + tonumber(ttl))
-  for waited, need in string.gmatch(queued, '(%S+) (%S+)') do
+  for waited, need, class in string.gmatch(queued, '(%S+) (%S+) (%S+)') do
     local since = now - tonumber(waited)
-    mine = math.min(mine, since)
-    entry = entry .. ' ' .. since .. ' ' .. need
+    if mine_class == 1000 then mine, mine_class = since, tonumber(class) end  -- the head: served first here
+    entry = entry .. ' ' .. since .. ' ' .. need .. ' ' .. class
   end
   redis.call('HSET', KEYS[4], prefix, entry)
 else
@@ -341,7 +351,7 @@ for i = 9, #ARGV, 3 do
 end
 expire(lease)
 local held = others(KEYS[1], KEYS[2], KEYS[3], KEYS[5], prefix, now, process, tokens)
-return held + older_heads(KEYS[4], prefix, now, mine)
+return held + older_heads(KEYS[4], prefix, now, mine, mine_class)
 """
 )
 
@@ -508,7 +518,9 @@ class RedisState:
     # --- blocks in flight per engine, shared by the replicas -----------------------------------------
 
     def _engine_keys(self, engine: str) -> list[str]:
-        kinds = ("engine-leases", "engine-blocks", "engine-sampled", "engine-waiting", "engine-peak")
+        # "engine-queued", not the "engine-waiting" of before classes were said: during a rolling upgrade old and
+        # new replicas do not misread each other's queue (they only miss it, until the upgrade is done)
+        kinds = ("engine-leases", "engine-blocks", "engine-sampled", "engine-queued", "engine-peak")
         return [self.key(kind, engine) for kind in kinds]
 
     async def claim_blocks(
@@ -520,9 +532,11 @@ class RedisState:
         lease_s: float,
         mark: tuple[float, float] | None,
         waited_s: float = 0.0,
+        priority: int = STANDARD,
     ) -> tuple[bool, int]:
         """``mark``: (process start, tokens) of the sample this replica's view rests on, None for none;
-        ``waited_s``: how long the request has waited here (other replicas' requests waiting longer go first)."""
+        ``waited_s``, ``priority``: how long the request has waited here, and its class (the other replicas'
+        queued requests of a higher class, or of its class waiting longer, go first)."""
         args: list[str | int] = [
             f"{self.replica_id}:",
             f"{self.replica_id}:{member}",
@@ -531,6 +545,7 @@ class RedisState:
             int(lease_s * 1000),
             *_args(mark),
             int(waited_s * 1000),
+            priority,
         ]
         out: list[Any] = await self._call(lambda: self._claim(keys=self._engine_keys(engine), args=args))
         return int(out[0]) == 1, int(out[1])
@@ -542,19 +557,19 @@ class RedisState:
         lease_s: float,
         everything: bool,
         mark: tuple[float, float] | None,
-        waiting: tuple[tuple[float, int], ...] = (),
+        waiting: tuple[tuple[float, int, int], ...] = (),
         peak: tuple[int, int] | None = None,
         upto: int | None = None,
         waiting_ttl_s: float = 2.0,
     ) -> int:
         """``held``: member -> (blocks, of which the sample of ``mark`` shows); ``waiting``: the first requests of
-        this replica's queue, (seconds waited, blocks) each, said for ``waiting_ttl_s``;
+        this replica's queue in serving order, (seconds waited, blocks, class) each, said for ``waiting_ttl_s``;
         ``peak``: (restate number, the most its reservations up to ``upto`` can hold at once), None for none;
         ``upto``: the newest reservation ``held`` and ``peak`` knew of (with ``everything``, members above it are
         not removed; None: all are)."""
         me = self.replica_id
         triples = [x for member, (blocks, shown) in held.items() for x in (f"{me}:{member}", blocks, shown)]
-        queued = " ".join(f"{int(waited * 1000)} {blocks}" for waited, blocks in waiting)
+        queued = " ".join(f"{int(waited * 1000)} {blocks} {priority}" for waited, blocks, priority in waiting)
         head = f"{int(waiting_ttl_s * 1000)} {queued}" if waiting else ""
         args: list[str | int] = [
             f"{self.replica_id}:",

@@ -15,8 +15,9 @@ last two samples showed how much of it (:class:`gateway.admission.engine.SampleM
 off what the latest of them no newer than its own sample showed; if both are newer it counts the claim whole,
 until a newer sample of its own.
 
-Each replica also says what the first requests of its queue have waited and need, and a request queued for longer
-at another replica counts as held: the replicas' queues are served oldest first, as one queue. Without it a
+Each replica also says what the first requests of its queue have waited and need, and of what priority class,
+and a request at another replica that its own queue would serve first (a higher class, or its class and queued
+for longer) counts as held: the replicas' queues are served as one queue. Without it a
 replica refills at once the room its own requests free, while the others hear of that room a sample later,
 so whichever replica holds more of the engine keeps it, and the other's clients wait (or are refused).
 For the same reason a replica says, at every restate, the most its reservations can hold at one future moment
@@ -31,6 +32,7 @@ The admission core sees this only through :class:`gateway.admission.admitter.Sha
 from __future__ import annotations
 
 from gateway.admission.engine import SampleMark
+from gateway.admission.queue import STANDARD
 from gateway.tenants.redis_store import RedisState, RedisUnavailable
 
 
@@ -47,15 +49,24 @@ class RedisEngineBooks:
         self.waiting_ttl_s = waiting_ttl_s
 
     async def claim(
-        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
+        self,
+        engine: str,
+        member: str,
+        blocks: int,
+        limit: int,
+        mark: SampleMark | None,
+        waited_s: float = 0.0,
+        priority: int = STANDARD,
     ) -> tuple[bool, int] | None:
         """Claim ``blocks`` on ``engine`` if the other replicas' claims, as ``mark``'s sample sees them, and their
-        requests queued for longer than ``waited_s`` are at most ``limit`` blocks: (claimed, their blocks), or
-        None when Redis cannot say."""
+        queued requests that go before this one (a higher class, or its class and queued for longer than
+        ``waited_s``) are at most ``limit`` blocks: (claimed, their blocks), or None when Redis cannot say."""
         if not self.redis.healthy:
             return None
         try:
-            return await self.redis.claim_blocks(engine, member, blocks, limit, self.lease_s, _mark(mark), waited_s)
+            return await self.redis.claim_blocks(
+                engine, member, blocks, limit, self.lease_s, _mark(mark), waited_s, priority
+            )
         except RedisUnavailable:
             return None
 
@@ -65,16 +76,17 @@ class RedisEngineBooks:
         held: dict[str, tuple[int, int]],
         mark: SampleMark | None,
         everything: bool = False,
-        waiting: tuple[tuple[float, int], ...] = (),
+        waiting: tuple[tuple[float, int, int], ...] = (),
         peak: tuple[int, int] | None = None,
         upto: int | None = None,
     ) -> int | None:
         """Set this replica's claims on ``engine``: (blocks, of which ``mark``'s sample shows) each, 0 blocks
         removes one; ``everything``: its claims not listed are removed too (up to ``upto``: one claimed after
         ``held`` was taken stays), so a claim re-added by a late restate lasts one sample, not a lease;
-        ``waiting``: the first requests of its queue (seconds waited, blocks) each; ``peak``: (restate
-        number, the most its reservations up to ``upto`` can hold at once). The other replicas' blocks as
-        ``mark``'s sample sees them, with their requests queued for longer, or None."""
+        ``waiting``: the first requests of its queue in serving order (seconds waited, blocks, class) each;
+        ``peak``: (restate number, the most its reservations up to ``upto`` can hold at once). The other
+        replicas' blocks as ``mark``'s sample sees them, with their queued requests that go before this
+        replica's head, or None."""
         if not self.redis.healthy:
             return None
         try:

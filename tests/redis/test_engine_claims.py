@@ -118,15 +118,15 @@ async def test_requests_queued_longer_at_another_replica_go_first(
     is cleared when b's own claim is granted, and lapses if b stops restating."""
     a, b = replicas
     now = SampleMark(PROCESS, 1000.0)
-    await b.restate(ENGINE, {"1": (30, 0)}, now, waiting=((5.0, 40),))  # 30 blocks held, 40 wanted for 5 s
+    await b.restate(ENGINE, {"1": (30, 0)}, now, waiting=((5.0, 40, 1),))  # 30 blocks held, 40 wanted for 5 s
     assert await a.restate(ENGINE, {}, now) == 30 + 40  # as a request arriving at a now weighs it
-    assert await a.restate(ENGINE, {}, now, waiting=((60.0, 8),)) == 30  # a's own head waited longer
+    assert await a.restate(ENGINE, {}, now, waiting=((60.0, 8, 1),)) == 30  # a's own head waited longer
     assert await a.claim(ENGINE, "2", 10, 50, now, waited_s=1.0) == (False, 70)  # younger: b's 40 come first
     assert await a.claim(ENGINE, "3", 10, 50, now, waited_s=60.0) == (True, 30)  # older: it goes first
     assert await b.claim(ENGINE, "4", 40, 100, now, waited_s=5.0) == (True, 10)  # b's head admitted ...
     assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 30 + 40  # ... and held as a claim, not as waiting
     short = RedisEngineBooks(b.redis, lease_s=60, waiting_ttl_s=0.5)  # b, with a word a test can outwait
-    await short.restate(ENGINE, {"1": (30, 0), "4": (40, 0)}, now, everything=True, waiting=((2.0, 25),))
+    await short.restate(ENGINE, {"1": (30, 0), "4": (40, 0)}, now, everything=True, waiting=((2.0, 25, 1),))
     assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 70 + 25
     await asyncio.sleep(1.0)  # b stopped restating: its queue's word lapses, its claims' leases do not yet
     assert await a.restate(ENGINE, {"3": (10, 0)}, now) == 70
@@ -175,9 +175,28 @@ async def test_all_the_first_requests_of_another_replicas_queue_that_waited_long
     share. Each of b's first queued requests that waited longer than a's counts as held; one of b's that is
     granted its claim leaves the queue b showed."""
     a, b = replicas
-    await b.restate(ENGINE, {}, None, waiting=((5.0, 10), (4.0, 20), (1.0, 30)))
+    await b.restate(ENGINE, {}, None, waiting=((5.0, 10, 1), (4.0, 20, 1), (1.0, 30, 1)))
     assert await a.claim(ENGINE, "1", 5, 100, None, waited_s=2.0) == (True, 10 + 20)
     assert await a.claim(ENGINE, "2", 5, 100, None, waited_s=4.5) == (True, 10)
     assert await a.claim(ENGINE, "3", 5, 29, None, waited_s=2.0) == (False, 30)
     assert await b.claim(ENGINE, "9", 10, 100, None, waited_s=5.0) == (True, 10)  # b's oldest: admitted
     assert await a.restate(ENGINE, {"1": (5, 0), "2": (5, 0)}, None) == 10 + 20 + 30  # its claim, and the rest
+
+
+async def test_a_higher_class_at_another_replica_goes_first_and_a_lower_one_does_not(
+    replicas: tuple[RedisEngineBooks, RedisEngineBooks],
+) -> None:
+    """One queue across the replicas, in the order each serves its own: strict priority between classes,
+    oldest first within one. b's sheddable request that has waited 30 s does not hold back a's critical
+    arrival; b's critical one, however young, holds back a's standard request that waited longer."""
+    a, b = replicas
+    critical, standard, sheddable = 0, 1, 2
+    await b.restate(ENGINE, {}, None, waiting=((30.0, 40, sheddable),))
+    assert await a.claim(ENGINE, "1", 10, 39, None, waited_s=0.0, priority=critical) == (True, 0)
+    assert await a.claim(ENGINE, "2", 10, 39, None, waited_s=0.0, priority=sheddable) == (False, 40)
+    assert await a.restate(ENGINE, {"1": (10, 0)}, None, waiting=((1.0, 8, critical),)) == 0  # a's head: critical
+    assert await a.restate(ENGINE, {"1": (10, 0)}, None, waiting=((1.0, 8, sheddable),)) == 40  # b's waited longer
+    await b.restate(ENGINE, {}, None, waiting=((0.5, 30, critical), (30.0, 40, sheddable)))
+    assert await a.claim(ENGINE, "3", 10, 29, None, waited_s=60.0, priority=standard) == (False, 30)
+    assert await b.claim(ENGINE, "9", 30, 100, None, waited_s=0.5, priority=critical) == (True, 10)  # b's head in
+    assert await a.claim(ENGINE, "4", 10, 100, None, waited_s=60.0, priority=standard) == (True, 30)  # a claim now

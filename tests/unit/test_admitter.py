@@ -284,11 +284,18 @@ class RecordingBooks:
     def __init__(self) -> None:
         self.claims: list[tuple[str, int, SampleMark | None]] = []
         self.restates: list[tuple[dict[str, tuple[int, int]], SampleMark | None, bool]] = []
-        self.waiting: list[tuple[tuple[float, int], ...]] = []  # what each restate said of the queue
+        self.waiting: list[tuple[tuple[float, int, int], ...]] = []  # what each restate said of the queue
         self.peaks: list[tuple[tuple[int, int] | None, int | None]] = []
 
     async def claim(
-        self, engine: str, member: str, blocks: int, limit: int, mark: SampleMark | None, waited_s: float = 0.0
+        self,
+        engine: str,
+        member: str,
+        blocks: int,
+        limit: int,
+        mark: SampleMark | None,
+        waited_s: float = 0.0,
+        priority: int = 1,
     ) -> tuple[bool, int] | None:
         self.claims.append((member, blocks, mark))
         return True, 0
@@ -417,7 +424,7 @@ async def test_a_request_queued_again_after_a_refused_claim_keeps_its_age_for_th
     admitter.scrape_started()
     admitter.sample(UsageSample(0.8, 4.0))
     await asyncio.sleep(0)
-    assert books.waiting[-1] == ((4.0, 20),)  # waited since 0 s, not since 3 s
+    assert books.waiting[-1] == ((4.0, 20, 1),)  # waited since 0 s, not since 3 s (class 1: standard)
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
