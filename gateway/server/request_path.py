@@ -215,8 +215,9 @@ async def _parse(kind: BodyKind, raw: bytes) -> InferenceRequest:
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first ``name`` header (ASGI gives header names in lower case)."""
     for key, value in headers:
-        if key.lower() == name:
+        if key == name:
             return value
     return None
 

@@ -45,6 +45,7 @@ HOP_BY_HOP = frozenset(
 # OpenTelemetry tracing) to the client's trace; authorization only when kvgate has no key of its own for the
 # engine (then the engine checks the client's).
 _FORWARDED_UP = frozenset({b"content-type", b"accept", b"traceparent", b"tracestate"})
+_FORWARDED_UP_WITH_KEY = _FORWARDED_UP | {b"authorization"}
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {b"content-length", b"date", b"server"}
 _TAIL_BYTES = 4096
 BUSY_RETRY_AFTER_S = 1.0
@@ -76,14 +77,14 @@ def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes
 def upstream_headers(
     client_headers: list[tuple[bytes, bytes]], engine_request_id: str, api_key: str | None
 ) -> list[tuple[bytes, bytes]]:
-    """What the engine is told: the client's headers kvgate forwards (see ``_FORWARDED_UP``), the request id
-    the engine knows this request by, and the engine's key if kvgate has one (else the client's)."""
-    headers = [(k, v) for k, v in client_headers if k.lower() in _FORWARDED_UP]
+    """What the engine is told: the client's headers kvgate forwards (see ``_FORWARDED_UP``; names are
+    lower-case, as ASGI servers give them), the client's key when kvgate has none of its own for the engine,
+    the request id the engine knows this request by, and kvgate's engine key if it has one."""
+    forwarded = _FORWARDED_UP if api_key is not None else _FORWARDED_UP_WITH_KEY
+    headers = [(k, v) for k, v in client_headers if k in forwarded]
     headers.append((b"x-request-id", engine_request_id.encode("latin-1")))
     if api_key is not None:
         headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))
-    else:
-        headers.extend((k, v) for k, v in client_headers if k.lower() == b"authorization")
     return headers
 
 

@@ -123,27 +123,35 @@ def test_only_headers_the_engine_needs_are_forwarded() -> None:
     """An allow-list: headers vLLM would act on past kvgate's decisions (a data-parallel rank, an adapter that
     rewrites the model, the client's own request id) never reach it; the client's key does only when kvgate
     has none of its own for the engine."""
-    client = [
-        (b"Host", b"gw"),
-        (b"Content-Type", b"multipart/form-data; boundary=x"),
+    client = [  # names in lower case, as an ASGI server gives them
+        (b"host", b"gw"),
+        (b"content-type", b"multipart/form-data; boundary=x"),
         (b"accept", b"text/event-stream"),
         (b"traceparent", b"00-abc-def-01"),
-        (b"Authorization", b"Bearer sk-tenant"),
+        (b"authorization", b"Bearer sk-tenant"),
         (b"x-request-id", b"client-id"),
-        (b"X-data-parallel-rank", b"3"),
-        (b"X-Amzn-SageMaker-Adapter-Identifier", b"other-model"),
+        (b"x-data-parallel-rank", b"3"),
+        (b"x-amzn-sagemaker-adapter-identifier", b"other-model"),
         (b"x-forwarded-for", b"10.0.0.1"),
         (b"connection", b"keep-alive"),
         (b"content-length", b"10"),
     ]
     kept = [
-        (b"Content-Type", b"multipart/form-data; boundary=x"),
+        (b"content-type", b"multipart/form-data; boundary=x"),
         (b"accept", b"text/event-stream"),
         (b"traceparent", b"00-abc-def-01"),
-        (b"x-request-id", b"engine-id"),
     ]
-    assert upstream_headers(client, "engine-id", "engine-key") == [*kept, (b"authorization", b"Bearer engine-key")]
-    assert upstream_headers(client, "engine-id", None) == [*kept, (b"Authorization", b"Bearer sk-tenant")]
+    engine_id = (b"x-request-id", b"engine-id")
+    assert upstream_headers(client, "engine-id", "engine-key") == [
+        *kept,
+        engine_id,
+        (b"authorization", b"Bearer engine-key"),
+    ]
+    assert upstream_headers(client, "engine-id", None) == [
+        *kept[:3],
+        (b"authorization", b"Bearer sk-tenant"),
+        engine_id,
+    ]
 
 
 def test_the_engine_gets_its_own_request_id_and_the_client_its_own_back() -> None:
