@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gateway.protocol.routes import CONTROL_PATHS, GENERATION, READ_ONLY, is_canonical
+from gateway.paths import CONTROL_PATHS, is_canonical
 
 
 class _Model(BaseModel):
@@ -304,8 +304,8 @@ class PassthroughConfig(_Model):
                     f"passthrough.allow: {path!r} is not a canonical path (it starts with /, has no %, ?, #, "
                     "empty, . or .. segment, no trailing / and is printable ASCII); requests are matched as sent"
                 )
-            if path in CONTROL_PATHS or path in GENERATION or path in READ_ONLY:
-                raise ValueError(f"passthrough.allow: {path!r} is a route kvgate serves itself")
+            if path in CONTROL_PATHS:
+                raise ValueError(f"passthrough.allow: {path!r} is kvgate's own endpoint")
         return self
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from gateway.paths import is_canonical
 from gateway.protocol.errors import GatewayError
 
 # How a generation route's body is read for its cost (see gateway.protocol.bodies).
@@ -72,8 +73,6 @@ CLOSED = frozenset(
         "/v1/realtime", "/v1/systemone",
     }
 )  # fmt: skip
-# kvgate's own endpoints, answered before any route of the engine's (never forwarded).
-CONTROL_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 POST_ONLY = frozenset({"POST"})
 # Methods an allow-listed admin path may use. HEAD is left out: its answer has a length but no body.
 ALLOWED_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH"})
@@ -84,16 +83,6 @@ class Route:
     kind: RouteKind
     path: str  # the canonical path, exactly as received
     body: BodyKind | None = None  # generation routes only
-
-
-def is_canonical(path: str) -> bool:
-    """An absolute path with nothing to decode or normalise: no ``%``, no empty, ``.`` or ``..`` segment, no
-    trailing slash, no ``\\``, printable ASCII only."""
-    if not path.startswith("/") or path == "/":
-        return path == "/"
-    if any(c in path for c in "%\\?#") or not path.isascii() or not path.isprintable():
-        return False
-    return all(segment not in ("", ".", "..") for segment in path[1:].split("/"))
 
 
 def route(method: str, raw_path: str, allowed: frozenset[str]) -> Route:

@@ -23,8 +23,8 @@ from gateway.admission.engine import EngineBook
 from gateway.admission.output_lengths import BEYOND
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics, HistogramReading, Reading
+from gateway.paths import CONTROL_PATHS
 from gateway.protocol.errors import shutting_down
-from gateway.protocol.routes import CONTROL_PATHS
 from gateway.server.disconnect import Receive
 from gateway.server.pacing import ArrivalPacer
 from gateway.server.request_path import RequestPath, raw_path_of

@@ -16,6 +16,7 @@ PACKAGE = ROOT / "gateway"
 
 # Bottom to top. A module may import from its own layer's unit or from any layer below, never above.
 LAYERS: list[tuple[str, ...]] = [
+    ("gateway.paths",),  # the canonical-path rule, shared by the config's checks and routing
     ("gateway.config", "gateway.logs", "gateway.metrics"),
     ("gateway.protocol",),
     ("gateway.tokens",),
