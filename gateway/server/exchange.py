@@ -181,8 +181,10 @@ class Exchange:
         if self.outcome is not None:
             return
         self.outcome = outcome = self._outcome(exc)
+        answered = outcome == "completed" and self.writer.status == 200  # an engine error teaches nothing
+        whole_answer = answered and not self.writer.event_stream
         if self.admission is not None:
-            if outcome == "completed" and self.writer.status == 200:  # an engine error teaches nothing
+            if answered and (self.usage is not None or not whole_answer):  # a length the engine or stream said
                 produced = self.usage.completion_tokens if self.usage is not None else self.generated
                 self._admitter.learn(self.admission.reservation, produced)
             self._admitter.release(self.admission.reservation, outcome)
@@ -190,7 +192,7 @@ class Exchange:
             self._counters.release_slot(self.slot)
         if self.charge is not None:
             assert self.cost is not None
-            used = tokens_used(self.cost, self.usage, self.generated, self.reached_engine)
+            used = tokens_used(self.cost, self.usage, self.generated, self.reached_engine, whole_answer)
             self._counters.settle(self.charge, used, self.reached_engine)
             if self.usage is not None and self.reached_engine:
                 self._metrics.prompt_tokens_estimated.inc(sum(self.cost.prompt_tokens))

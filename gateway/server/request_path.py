@@ -181,7 +181,8 @@ class RequestPath:
         watch.start()
         headers = upstream_headers(scope["headers"], exchange.engine_request_id, self.upstream_api_key)
         exchange.sending()
-        await self.engines.any_forwarder().passthrough(scope["method"], target, body, headers, exchange.writer)
+        echo = [(b"x-request-id", exchange.request_id.encode("latin-1"))]
+        await self.engines.any_forwarder().passthrough(scope["method"], target, body, headers, exchange.writer, echo)
 
 
 def raw_path_of(scope: dict[str, Any]) -> str:

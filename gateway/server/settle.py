@@ -12,12 +12,17 @@ from gateway.tokens.cost import RequestCost
 from gateway.upstream.forwarder import Usage
 
 
-def tokens_used(cost: RequestCost, usage: Usage | None, generated_events: int, reached_engine: bool) -> int:
-    """Tokens to bill, never more than was pre-charged."""
+def tokens_used(
+    cost: RequestCost, usage: Usage | None, generated_events: int, reached_engine: bool, whole_answer: bool = False
+) -> int:
+    """Tokens to bill, never more than was pre-charged. ``whole_answer``: a 200 answered in one piece (not a
+    stream), whose length without ``usage`` is unknown, not zero: billed as charged."""
     if not reached_engine:
         used = 0
     elif usage is not None:
         used = usage.prompt_tokens + usage.completion_tokens
+    elif whole_answer:
+        used = cost.charge_tokens
     elif generated_events == 0:
         used = 0  # disconnected or failed before the first token: nothing to bill
     else:

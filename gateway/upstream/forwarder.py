@@ -46,7 +46,9 @@ HOP_BY_HOP = frozenset(
 # engine (then the engine checks the client's).
 _FORWARDED_UP = frozenset({b"content-type", b"accept", b"traceparent", b"tracestate"})
 _FORWARDED_UP_WITH_KEY = _FORWARDED_UP | {b"authorization"}
-_NOT_RELAYED_DOWN = HOP_BY_HOP | {b"content-length", b"date", b"server"}
+# x-request-id: the engine's is kvgate's suffixed one (vLLM echoes it with --enable-request-id-headers); the
+# client is told its own (or kvgate's) id, once.
+_NOT_RELAYED_DOWN = HOP_BY_HOP | {b"content-length", b"date", b"server", b"x-request-id"}
 _TAIL_BYTES = 4096
 BUSY_RETRY_AFTER_S = 1.0
 
@@ -129,23 +131,47 @@ def parse_usage(payload: bytes) -> Usage | None:
     usage = data.get("usage")
     if usage is None and isinstance(response := data.get("response"), dict):
         usage = response.get("usage")
+    return _usage_of(usage)
+
+
+def _usage_of(usage: object) -> Usage | None:
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens")) or 0
-    if not isinstance(prompt, int) or prompt <= 0 or not isinstance(completion, int):
+    if not isinstance(prompt, int) or not isinstance(completion, int):
         return None
-    return Usage(prompt, completion)
+    # Anthropic's input_tokens leaves out what the prefix cache served (vLLM reports those apart): the engine
+    # held them all the same
+    for cached in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+        if isinstance(extra := usage.get(cached), int):
+            prompt += extra
+    return Usage(prompt, completion) if prompt > 0 else None
 
 
 def _usage_from_tail(tail: bytes) -> Usage | None:
-    """The last SSE event carrying ``usage`` (vLLM sends it last when ``include_usage`` is set)."""
-    if b'"usage"' not in tail:
-        return None
-    for event in reversed(tail.split(b"\n\n")):
-        event = event.strip()
-        if event.startswith(b"data:") and b'"usage"' in event:
-            return parse_usage(event[5:].strip())
+    """The last ``usage`` object of a stream's tail that says a prompt count: vLLM sends it last (a chat or
+    completions chunk with ``include_usage``, a Responses ``response.completed`` event, an Anthropic
+    ``message_delta``), in ``data:`` lines that may follow an ``event:`` line. Only the object itself is parsed:
+    ``response.completed`` repeats the whole answer, and its start may have left the tail."""
+    end = len(tail)
+    while (at := tail.rfind(b'"usage"', 0, end)) >= 0:
+        end = at
+        start = tail.find(b"{", at + 7, at + 16)
+        if start < 0:
+            continue  # "usage": null, or cut off
+        depth = 0
+        for i in range(start, len(tail)):
+            depth += tail[i] == 0x7B  # {
+            depth -= tail[i] == 0x7D  # }
+            if depth == 0:
+                try:
+                    usage = _usage_of(orjson.loads(tail[start : i + 1]))
+                except orjson.JSONDecodeError:
+                    usage = None
+                if usage is not None:
+                    return usage
+                break
     return None
 
 
@@ -267,13 +293,20 @@ class Forwarder:
         return Relayed(_usage_from_tail(tail), _ends_in_error(tail))
 
     async def passthrough(
-        self, method: str, target: str, body: bytes, headers: list[tuple[bytes, bytes]], writer: Downstream
+        self,
+        method: str,
+        target: str,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        writer: Downstream,
+        extra_headers: list[tuple[bytes, bytes]],
     ) -> None:
-        """A read-only or allow-listed route: same status, same body, same headers minus hop-by-hop ones."""
+        """A read-only or allow-listed route: same status, same body, same headers minus hop-by-hop ones (and
+        the engine's request id: ``extra_headers`` say kvgate's)."""
         try:
             async with await self.pool.request(method, target, headers, body, self.timeout_s) as resp:
                 length = resp.header(b"content-length")
-                extra = [] if length is None else [(b"content-length", length)]
+                extra = extra_headers if length is None else [*extra_headers, (b"content-length", length)]
                 await writer.start(resp.status, [*relayed_headers(resp.headers), *extra])
                 async for chunk in resp.chunks():
                     await writer.body(chunk, more=True)

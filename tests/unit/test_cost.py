@@ -109,3 +109,14 @@ def test_an_estimated_prompt_is_charged_at_its_high_end_and_billed_by_usage() ->
     assert tokens_used(estimated, Usage(1000, 256), 256, reached_engine=True) == 1256
     counted = RequestCost((1000,), 1, 256, 79)
     assert counted.charge_tokens == counted.total_tokens == 1256
+
+
+def test_a_whole_answer_without_usage_is_billed_as_charged_not_as_nothing() -> None:
+    """A 200 answered in one piece whose usage says no token count (audio transcriptions report seconds) used
+    what it was charged for, as far as anyone knows; a stream is billed by its events, and a request the
+    engine never saw, or that broke off before its first token, by nothing."""
+    cost = RequestCost((1000,), 1, 256, 79)
+    assert tokens_used(cost, None, 0, reached_engine=True, whole_answer=True) == cost.charge_tokens
+    assert tokens_used(cost, None, 10, reached_engine=True) == 1010
+    assert tokens_used(cost, None, 0, reached_engine=True) == 0
+    assert tokens_used(cost, None, 0, reached_engine=False, whole_answer=True) == 0

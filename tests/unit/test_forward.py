@@ -59,7 +59,7 @@ async def call(forwarder: Forwarder, path: str = "inference") -> tuple[Any, list
         relayed = await forwarder.inference("/v1/completions", body, [], ResponseWriter(send), [], lambda _: None)
         usage = relayed.usage
     else:
-        await forwarder.passthrough("POST", "/v1/completions", body, [], ResponseWriter(send))
+        await forwarder.passthrough("POST", "/v1/completions", body, [], ResponseWriter(send), [])
         usage = parse_usage(b"".join(m.get("body", b"") for m in sent[1:]))
     return usage, sent
 
@@ -99,7 +99,7 @@ async def test_redirects_are_relayed_not_followed_and_the_target_is_sent_as_chec
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    await forwarder.passthrough("GET", "/v1/models?x=%2F..", b"", [], ResponseWriter(send))
+    await forwarder.passthrough("GET", "/v1/models?x=%2F..", b"", [], ResponseWriter(send), [])
     await forwarder.close()
     server.close()
     assert sent[0]["status"] == 307 and (b"location", b"http://evil.example/x") in sent[0]["headers"]
@@ -236,3 +236,66 @@ def test_a_stream_that_ends_in_an_error_event_broke_off(tail: bytes, broke_off: 
     from gateway.upstream.forwarder import _ends_in_error
 
     assert _ends_in_error(tail) is broke_off
+
+
+@pytest.mark.parametrize(
+    ("tail", "expected"),
+    [
+        (b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}\n\ndata: [DONE]\n\n', (7, 3)),
+        # a Responses stream: event lines, and response.completed repeats the whole answer (its start cut off)
+        (b'event: response.completed\ndata: {"type":"response.completed","response":{"output":[{"text":"..."}],'
+         b'"usage":{"input_tokens":7,"input_tokens_details":{"cached_tokens":0},"output_tokens":3,'
+         b'"total_tokens":10}},"sequence_number":9}\n\n', (7, 3)),
+        (b'pped answer text"}]}, "usage": {"input_tokens": 7, "output_tokens": 3}}}\n\n', (7, 3)),
+        # Anthropic: message_delta carries it; input_tokens leaves out what the prefix cache served
+        (b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+         b'"usage":{"input_tokens":2,"output_tokens":3,"cache_read_input_tokens":5}}\n\n'
+         b'event: message_stop\ndata: {"type":"message_stop"}\n\n', (7, 3)),
+        (b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\ndata: [DONE]\n\n', None),
+        (b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n', None),
+    ],
+)  # fmt: skip
+def test_usage_at_the_end_of_every_kind_of_stream(tail: bytes, expected: tuple[int, int] | None) -> None:
+    from gateway.upstream.forwarder import _usage_from_tail
+
+    usage = _usage_from_tail(tail)
+    assert (None if usage is None else (usage.prompt_tokens, usage.completion_tokens)) == expected
+
+
+def test_the_engines_request_id_is_not_relayed_down() -> None:
+    """vLLM echoes the id it was given (kvgate's suffixed one) with --enable-request-id-headers: the client is
+    told its own, once."""
+    assert relayed_headers([(b"x-request-id", b"abc-1f2e3d4c"), (b"x-fine", b"2")]) == [(b"x-fine", b"2")]
+
+
+async def test_the_forwarder_says_a_stream_that_ended_in_an_error_event_broke_off() -> None:
+    """What the engine really sends when a generation fails midway (a 200 stream: a token, the error event,
+    ``[DONE]``) comes back from the forwarder as broken off, with the events relayed as they came."""
+    stream = (
+        b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+        b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", "code": 500}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + stream)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    forwarder = Forwarder(f"http://127.0.0.1:{port}", GatewayMetrics(), timeout_s=5, connect_timeout_s=1)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    relayed = await forwarder.inference("/v1/chat/completions", b"{}", [], ResponseWriter(send), [], lambda _: None)
+    await forwarder.close()
+    server.close()
+    await server.wait_closed()
+    assert relayed.broke_off and relayed.usage is None
+    assert b"".join(m.get("body", b"") for m in sent[1:]) == stream
