@@ -49,6 +49,7 @@ class Charge:
     tokens: int
     backend: str  # "local" | "redis" | "none"
     decision: RateDecision
+    id: str = ""  # names a Redis charge: its refund gives back at most what it took, once
 
 
 class TenantCounters:
@@ -76,8 +77,9 @@ class TenantCounters:
         self._failing: Callable[[float], GatewayError] | None = None  # set by fail_waiters (drain)
         self._redis_held: dict[str, tuple[str, str]] = {}
         self._unreleased: dict[str, tuple[str, float]] = {}  # member -> (key, when): a release Redis did not take
-        # rate key -> (tokens, requests, limits, since when): refunds Redis did not take
-        self._owed: dict[str, tuple[float, float, RateLimits, float]] = {}
+        # charge id -> (rate key, limits, tokens, requests, undo, since when): refunds Redis did not take
+        self._owed: dict[str, tuple[str, RateLimits, float, float, bool, float]] = {}
+        self._charge_ids = itertools.count(1)
         self._members = itertools.count(1)
         self._background: set[asyncio.Task[Any]] = set()
         self._renewer: asyncio.Task[None] | None = None
@@ -125,14 +127,14 @@ class TenantCounters:
             return Charge(tp.key, tp.rates, tokens, "none", _UNLIMITED)
         charge: Charge | None = None
         if self.redis is not None and self.redis.healthy:
+            charge_id = str(next(self._charge_ids))
             try:
-                decision = await self.redis.check(tp.key, tp.rates, tokens)
-                charge = Charge(tp.key, tp.rates, tokens, "redis", decision)
-            except RedisUnavailable as exc:
-                if isinstance(exc.__cause__, TimeoutError):  # the script most likely ran: its answer came late
-                    self._refund_redis(tp.key, tp.rates, tokens, 1)
-            except asyncio.CancelledError:  # the client left while Redis charged it
-                self._refund_redis(tp.key, tp.rates, tokens, 1)
+                decision = await self.redis.check(tp.key, tp.rates, tokens, charge_id)
+                charge = Charge(tp.key, tp.rates, tokens, "redis", decision, charge_id)
+            except RedisUnavailable:  # the answer did not come (the script may have run, or may still): undo it
+                self._refund_redis(tp.key, tp.rates, charge_id, undo=True)
+            except asyncio.CancelledError:  # the client left while Redis was charging it
+                self._refund_redis(tp.key, tp.rates, charge_id, undo=True)
                 raise
         if charge is None:
             rates = tp.rates
@@ -158,27 +160,32 @@ class TenantCounters:
         unused = max(0, charge.tokens - actual)
         if charge.backend == "local":
             self.local.settle(charge.key, charge.tokens, actual, self.clock(), request=reached_engine)
-        elif charge.backend == "redis":
-            self._refund_redis(charge.key, charge.rates, unused, 0 if reached_engine else 1)
+        elif charge.backend == "redis" and (unused > 0 or not reached_engine):
+            self._refund_redis(charge.key, charge.rates, charge.id, unused, 0 if reached_engine else 1)
 
     def _refund_redis(
-        self, key: str, rates: RateLimits, tokens: float, requests: float, since: float | None = None
+        self,
+        key: str,
+        rates: RateLimits,
+        charge: str,
+        tokens: float = 0,
+        requests: float = 0,
+        undo: bool = False,
+        since: float | None = None,
     ) -> None:
-        """Give back to the shared buckets in the background; what Redis does not take is owed, and retried
-        with the slot renewals for up to a minute (by then the bucket has refilled by itself)."""
+        """Give back to the shared buckets in the background (at most once per charge: Redis keeps its record);
+        a refund Redis does not take is owed, and retried with the slot renewals while the charge's record
+        lasts (a minute: by then the bucket has refilled by itself)."""
         redis = self.redis
-        tokens = tokens if rates.tokens_per_minute else 0
-        requests = requests if rates.requests_per_minute else 0
-        if redis is None or (tokens <= 0 and requests <= 0):
+        if redis is None:
             return
         owed_since = self.clock() if since is None else since
 
         async def refund() -> None:
             try:
-                await redis.refund(key, rates, tokens, requests)
+                await redis.refund(key, rates, charge, tokens, requests, undo)
             except RedisUnavailable:
-                owed_tokens, owed_requests, _, first = self._owed.get(key, (0.0, 0.0, rates, owed_since))
-                self._owed[key] = (owed_tokens + tokens, owed_requests + requests, rates, min(first, owed_since))
+                self._owed[charge] = (key, rates, tokens, requests, undo, owed_since)
                 raise
 
         self._spawn(refund())
@@ -353,10 +360,10 @@ class TenantCounters:
             else:
                 self._release_redis(key, member)
         refilled = self.clock() - _REFILL_S
-        for key, (tokens, requests, rates, since) in list(self._owed.items()):
-            del self._owed[key]
-            if since >= refilled:  # older: the bucket has refilled by itself since
-                self._refund_redis(key, rates, tokens, requests, since)
+        for charge, (key, rates, tokens, requests, undo, since) in list(self._owed.items()):
+            del self._owed[charge]
+            if since >= refilled:  # older: its record is gone, and the bucket has refilled by itself since
+                self._refund_redis(key, rates, charge, tokens, requests, undo, since)
 
     async def _renew_leases(self) -> None:
         while True:

@@ -37,9 +37,15 @@ T = TypeVar("T")
 # limit added by a reload), a resized one keeps what was used (TokenBucket.resize), and an unlimited dimension
 # keeps no bucket, so a limit added later starts full rather than from a stored 0. A key written before the
 # capacity was stored is taken to be at the current capacity.
+# KEYS[2], the charge's record ("requests tokens" it took, for a minute): what a refund may give back, once.
+# A record that says "undone" is a refund that came first (this check was late): it charges nothing.
 _CHECK = """
 local key = KEYS[1]
 local rpm, tpm, tokens = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+if KEYS[2] and redis.call('GET', KEYS[2]) == 'undone' then
+  redis.call('DEL', KEYS[2])
+  return {0, '0', '0', '0', '0'}
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local v = redis.call('HMGET', key, 'r', 'rt', 'rc', 't', 'tt', 'tc')
@@ -64,6 +70,10 @@ if rwait == 0 and twait == 0 then
   allowed = 1
   if rpm > 0 then r = r - 1 end
   if tpm > 0 then tk = tk - tokens end
+  if KEYS[2] then
+    local took = (rpm > 0 and 1 or 0) .. ' ' .. (tpm > 0 and tokens or 0)
+    redis.call('SET', KEYS[2], took, 'PX', 61000)
+  end
 end
 if rpm > 0 then
   redis.call('HSET', key, 'r', tostring(r), 'rt', tostring(now), 'rc', tostring(rpm))
@@ -79,11 +89,25 @@ redis.call('PEXPIRE', key, 61000)
 return {allowed, tostring(r), tostring(tk), tostring(rwait), tostring(twait)}
 """
 
-# Give back unused pre-charged tokens (and requests), at the capacity the bucket was last charged with (as
-# TokenBucket.refund does; the next check resizes it). ARGV: rpm, tpm (for a key written before the capacity
-# was stored), requests, tokens.
+# Give back to a charge's buckets, once (KEYS[2], its record, goes): what the request did not use (ARGV:
+# rpm, tpm, requests, tokens, '0'), never more than the record says it took; or the whole charge ('1': undo,
+# for a check whose answer never came). An undo finding no record leaves one that says "undone", so a check
+# still on its way charges nothing. Amounts go back at the capacity the bucket was last charged with (as
+# TokenBucket.refund does; the next check resizes it); rpm and tpm are for a key written before the capacity
+# was stored.
 _REFUND = """
 local key = KEYS[1]
+local record = redis.call('GET', KEYS[2])
+if not record then
+  if ARGV[5] == '1' then redis.call('SET', KEYS[2], 'undone', 'PX', 61000) end
+  return 0
+end
+if record == 'undone' then return 0 end
+redis.call('DEL', KEYS[2])
+local took_r, took_t = string.match(record, '^(%S+) (%S+)$')
+took_r, took_t = tonumber(took_r), tonumber(took_t)
+local requests, tokens = took_r, took_t
+if ARGV[5] ~= '1' then requests, tokens = math.min(tonumber(ARGV[3]), took_r), math.min(tonumber(ARGV[4]), took_t) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local function refund(field, stamp, stored_cap, per_minute, amount)
@@ -96,8 +120,8 @@ local function refund(field, stamp, stored_cap, per_minute, amount)
   level = math.min(cap, level + amount)
   redis.call('HSET', key, field, tostring(level), stamp, tostring(now))
 end
-refund('r', 'rt', 'rc', tonumber(ARGV[1]), tonumber(ARGV[3]))
-refund('t', 'tt', 'tc', tonumber(ARGV[2]), tonumber(ARGV[4]))
+refund('r', 'rt', 'rc', tonumber(ARGV[1]), requests)
+refund('t', 'tt', 'tc', tonumber(ARGV[2]), tokens)
 return 1
 """
 
@@ -476,9 +500,15 @@ class RedisState:
 
     # --- rate limits --------------------------------------------------------------------------------
 
-    async def check(self, key: str, limits: RateLimits, tokens: int) -> RateDecision:
+    def _charge_key(self, key: str, charge: str) -> str:
+        return self.key("rl-charge", f"{key}:{self.replica_id}:{charge}")
+
+    async def check(self, key: str, limits: RateLimits, tokens: int, charge: str | None = None) -> RateDecision:
+        """Charge one request and ``tokens``; ``charge`` names the charge (unique on this replica), so that a
+        refund of it gives back at most what it took, once."""
         rpm, tpm = limits.requests_per_minute or 0, limits.tokens_per_minute or 0
-        out: list[Any] = await self._call(lambda: self._check(keys=[self.key("rl", key)], args=[rpm, tpm, tokens]))
+        keys = [self.key("rl", key)] if charge is None else [self.key("rl", key), self._charge_key(key, charge)]
+        out: list[Any] = await self._call(lambda: self._check(keys=keys, args=[rpm, tpm, tokens]))
         allowed = int(out[0]) == 1
         req_left, tok_left, req_wait, tok_wait = (float(x) for x in out[1:])
         tok_wait = math.inf if tok_wait < 0 else tok_wait
@@ -491,12 +521,15 @@ class RedisState:
             exceeded,
         )
 
-    async def refund(self, key: str, limits: RateLimits, tokens: float, requests: float = 0) -> None:
+    async def refund(
+        self, key: str, limits: RateLimits, charge: str, tokens: float = 0, requests: float = 0, undo: bool = False
+    ) -> None:
+        """Give back what charge ``charge`` did not use (``tokens``, ``requests``), or all of it (``undo``: its
+        answer never came); at most once, and never more than it took."""
         rpm, tpm = limits.requests_per_minute or 0, limits.tokens_per_minute or 0
-        tokens, requests = (tokens if tpm else 0), (requests if rpm else 0)
-        if tokens > 0 or requests > 0:
-            args = [rpm, tpm, requests, tokens]
-            await self._call(lambda: self._refund(keys=[self.key("rl", key)], args=args))
+        keys = [self.key("rl", key), self._charge_key(key, charge)]
+        args = [rpm, tpm, requests, tokens, int(undo)]
+        await self._call(lambda: self._refund(keys=keys, args=args))
 
     # --- concurrency slots --------------------------------------------------------------------------
 

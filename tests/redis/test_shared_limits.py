@@ -49,12 +49,14 @@ async def test_scripts_charge_refund_and_slots(redis_server: RedisServer) -> Non
     await state.start()
     assert state.healthy
     limits = RateLimits(3, 100)
-    d1 = await state.check("k", limits, 60)
+    d1 = await state.check("k", limits, 60, "c1")
     assert d1.allowed and d1.requests is not None and d1.requests.remaining == 2
     assert d1.tokens is not None and d1.tokens.remaining == 40
-    d2 = await state.check("k", limits, 60)
+    d2 = await state.check("k", limits, 60, "c2")
     assert not d2.allowed and d2.exceeded == "tokens" and d2.retry_after_s > 0
-    await state.refund("k", limits, 50)  # settled: only 10 of the 60 were used
+    await state.refund("k", limits, "c2", 60, 1)  # a refused charge took nothing: nothing to give back
+    await state.refund("k", limits, "c1", 50)  # settled: only 10 of the 60 were used
+    await state.refund("k", limits, "c1", 50)  # a retried refund gives back nothing more
     assert (await state.check("k", limits, 60)).allowed
     assert (await state.check("k", limits, 1)).tokens.remaining == 29  # type: ignore[union-attr]
     never = await state.check("k2", RateLimits(None, 100), 101)
@@ -344,7 +346,7 @@ async def test_a_charge_answered_too_late_and_a_refund_redis_missed_are_given_ba
     monkeypatch.setattr(state, "_check", run_check)
     admin = aioredis.Redis(host="127.0.0.1", port=redis_server.port)
     bucket = state.key("rl", tp.key)
-    assert float(await admin.hget(bucket, "t") or 0) <= 600  # the late charge landed
+    assert float(await admin.hget(bucket, "t")) <= 600  # the late charge landed
     for _ in range(200):  # until the shared tokens are back to full (renewals retry what is owed)
         await limits.renew_leases()
         if float(await admin.hget(bucket, "t") or 0) >= 1000 and state.healthy:
@@ -356,3 +358,23 @@ async def test_a_charge_answered_too_late_and_a_refund_redis_missed_are_given_ba
     assert not late  # the refund did miss once
     await admin.aclose()
     await limits.close()
+
+
+async def test_an_undo_that_lands_before_its_late_charge_makes_the_charge_take_nothing(
+    redis_server: RedisServer,
+) -> None:
+    """The undo of a charge whose answer never came may reach Redis before the charge itself (another
+    connection): it leaves word, and the charge, when it arrives, takes nothing."""
+    state = RedisState(rcfg(redis_server))
+    await state.start()
+    limits = RateLimits(3, 100)
+    await state.refund("k", limits, "late", undo=True)
+    assert not (await state.check("k", limits, 60, "late")).allowed  # took nothing
+    fresh = await state.check("k", limits, 1, "next")
+    assert fresh.requests is not None and fresh.tokens is not None
+    assert (fresh.requests.remaining, fresh.tokens.remaining) == (2, 99)
+    await state.refund("k", limits, "next", undo=True)  # an undo after the charge gives all of it back
+    again = await state.check("k", limits, 1)
+    assert again.requests is not None and again.tokens is not None
+    assert (again.requests.remaining, again.tokens.remaining) == (2, 99)
+    await state.close()
