@@ -126,14 +126,14 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     per_engine = usage or legacy
     if not per_engine:
         raise MetricsFormatError(f"no {USAGE_METRIC} (or {LEGACY_USAGE_METRIC}) in the upstream's /metrics")
+    # With data parallelism, vLLM's API server sums the ranks' blocks into one cache config and labels that same
+    # total once per rank (v1/engine/core_client.py, v1/metrics/loggers.py): the pool is one row's figure, not
+    # their sum. The largest row is taken (rows differ only if a rank reports its own pool: then the count is
+    # short, which is safe), and usage is the ranks' mean.
     geometry = None
     if block_size and blocks:
-        geometry = KvGeometry(block_size=block_size, num_blocks=sum(blocks.values()))
-    if blocks and all(e in blocks for e in per_engine):
-        used = sum(u * blocks[e] for e, u in per_engine.items())
-        aggregate = used / max(1, sum(blocks[e] for e in per_engine))
-    else:
-        aggregate = sum(per_engine.values()) / len(per_engine)
+        geometry = KvGeometry(block_size=block_size, num_blocks=max(blocks.values()))
+    aggregate = sum(per_engine.values()) / len(per_engine)
     return EngineMetrics(
         usage=aggregate,
         geometry=geometry,

@@ -100,7 +100,10 @@ def test_legacy_metric_name_before_vllm_0_12() -> None:
     assert m.usage == 0.42 and m.geometry is None
 
 
-def test_data_parallel_engines_aggregate_by_blocks() -> None:
+def test_data_parallel_engines_share_one_pool_figure() -> None:
+    """vLLM's API server sums its data-parallel ranks' blocks and repeats that total on each rank's
+    ``cache_config_info`` row: summing the rows again counted a pool of 2 x 1000 blocks as 4000 (N^2), and
+    admitted up to 180% of it between two scrapes."""
     text = (
         "\n".join(
             [
@@ -111,8 +114,8 @@ def test_data_parallel_engines_aggregate_by_blocks() -> None:
                 'vllm:num_requests_running{engine="0",model_name="m"} 5',
                 'vllm:num_requests_running{engine="1",model_name="m"} 2',
                 "# TYPE vllm:cache_config_info gauge",
-                'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0',
-                'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="300"} 1.0',
+                'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2000"} 1.0',
+                'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="2000"} 1.0',
                 "# TYPE vllm:num_preemptions_total counter",
                 'vllm:num_preemptions_total{engine="0",model_name="m"} 3',
                 'vllm:num_preemptions_total{engine="1",model_name="m"} 4',
@@ -121,8 +124,8 @@ def test_data_parallel_engines_aggregate_by_blocks() -> None:
         + "\n"
     )
     m = parse_engine_metrics(text)
-    assert m.usage == pytest.approx((0.9 * 100 + 0.3 * 300) / 400)
-    assert m.geometry == KvGeometry(16, 400)
+    assert m.usage == pytest.approx((0.9 + 0.3) / 2)
+    assert m.geometry == KvGeometry(16, 2000)
     assert (m.running, m.preemptions, m.engines) == (7, 7, 2)
 
 
