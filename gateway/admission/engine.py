@@ -195,14 +195,17 @@ class EngineBook:
             ours = ledger.peak_blocks(slack_blocks=int(BOUND_SLACK * self.geometry.num_blocks))
         else:
             ours = ledger.reserved_blocks
-        if self.config.exclusive_upstream and not self.shared:
-            return ours + extra_blocks + others
         assert self.sample is not None
         sampled = round(self.sample.usage * self.geometry.num_blocks)
-        if self.config.exclusive_upstream and self.others_blocks is not None:
-            # The claims may miss a replica that lost Redis, or claims a restarted Redis forgot; they show in the
-            # sample, beyond all that this replica may have there (a non-streamed request does not say).
-            return ours + extra_blocks + max(others, sampled - ledger.reserved_blocks)
+        if self.config.exclusive_upstream and (self.others_blocks is not None or not self.shared):
+            # The engine is ours (and the other replicas' claims'), but the sample still bounds the ledger from
+            # below: what it shows beyond all we had reserved when it was taken is real and not in the ledger
+            # (answers that outgrew an expected-output reservation unseen: not streamed, or several tokens per
+            # event; a kvgate process's requests before it restarted; claims a replica that lost Redis, or a
+            # restarted Redis, does not show). Reservations released since do not count against it: a finished
+            # request's room is refilled at once, not a scrape later.
+            beyond = sampled - ledger.sample_reserved_blocks
+            return ours + extra_blocks + max(others, beyond)
         # Whatever the sample shows beyond what we know to be ours belongs to someone else.
         external = max(0, sampled - ledger.in_sample_blocks)
         return external + ours + extra_blocks + others

@@ -58,6 +58,10 @@ class Ledger:
         self._live: dict[int, Reservation] = {}
         self.reserved_blocks = 0
         self._in_sample_blocks = 0
+        self._reserved_at_begin = 0
+        # what our reservations covered while the latest sample was taken (the more of its start and end): what
+        # the sample shows beyond it is not ours, or is ours beyond what we reserved
+        self.sample_reserved_blocks = 0
         self.reserved_count = 0
         self.released_count = 0
         self.last_id = 0  # the newest reservation's id: ids only grow, so any made later is above it
@@ -120,6 +124,7 @@ class Ledger:
 
     def begin_sample(self) -> None:
         """A scrape starts now: note how much of each request the engine certainly holds at this moment."""
+        self._reserved_at_begin = self.reserved_blocks
         for res in self._live.values():
             if res.first_token_at is None:
                 res.pending_sample_blocks = 0
@@ -133,6 +138,7 @@ class Ledger:
             res.in_sample_blocks = res.pending_sample_blocks
             total += res.in_sample_blocks
         self._in_sample_blocks = total
+        self.sample_reserved_blocks = max(self._reserved_at_begin, self.reserved_blocks)
 
     @property
     def in_sample_blocks(self) -> int:

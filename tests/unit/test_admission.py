@@ -110,6 +110,25 @@ def test_exclusive_upstream_admits_as_soon_as_a_request_ends() -> None:
     assert len(c.pump(0.4)) == 1  # the sample still shows 0.5, but the ledger knows the engine is empty
 
 
+def test_exclusive_upstream_counts_what_the_sample_shows_beyond_its_reservations() -> None:
+    """The ledger is the bound on an engine kvgate has to itself only while the reservations cover what the
+    engine holds. A non-streamed answer that outgrew its expected-output reservation says nothing until it
+    ends, and a kvgate that restarted holds none of the engine's requests: the sample shows them, and they
+    count. Before, exclusive mode never looked at the sample past the gate."""
+    c = make()
+    grown = c.submit(rc(10), "t", 0.1)
+    assert isinstance(grown, Admitted)
+    c.begin_sample()
+    c.apply_sample(UsageSample(usage=0.6, taken_at=0.3))  # it holds 60 blocks, not 10
+    assert c.projected_blocks(0, 0.3) == 10 + 50
+    assert isinstance(c.submit(rc(35), "t", 0.3), Queued)  # 10 + 35 + 50 > 90 (it was admitted: 45)
+    restarted = make()
+    restarted.begin_sample()
+    restarted.apply_sample(UsageSample(usage=0.85, taken_at=0.3))  # the engine is busy with someone's requests
+    assert isinstance(restarted.submit(rc(10), "t", 0.3), Queued)
+    assert isinstance(restarted.submit(rc(5), "t2", 0.3), Queued)  # (behind the first, head of line)
+
+
 def test_stale_metrics_fall_back_to_the_ledger_under_a_lower_cap() -> None:
     c = make(stale_after_s=2.0, stale_ledger_cap=0.5)
     assert isinstance(c.submit(rc(50), "t", 5.0), Admitted)
