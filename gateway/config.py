@@ -160,8 +160,10 @@ class AdmissionConfig(_Model):
     stale_after_s: float = Field(2.0, gt=0, description="A metrics sample older than this is stale.")
     stale_policy: Literal["ledger", "hold"] = Field(
         "ledger",
-        description="ledger: admit against the gateway's own reservations under stale_ledger_cap; "
-        "hold: admit nothing until metrics are fresh (queued requests time out with 503).",
+        description="ledger: admit against the gateway's own reservations under stale_ledger_cap, where they "
+        "bound the engine (exclusive_upstream, the engine seen at least once, the other replicas' claims known, "
+        "and not last seen full with requests of ours in; else as hold); hold: admit nothing until metrics are "
+        "fresh (queued requests time out with 503).",
     )
     stale_ledger_cap: float = Field(0.75, gt=0, le=1)
     exclusive_upstream: bool = Field(

@@ -188,9 +188,10 @@ class EngineBook:
             return None
         ledger = self.ledger
         others = self.others_blocks or 0
-        if self.is_stale(now):  # no fresh picture of the engine: trust nothing but reservations
-            stale = ledger.reserved_blocks + extra_blocks + others
-            return stale if self.config.stale_policy == "ledger" else None
+        if self.is_stale(now):  # no fresh picture of the engine: trust nothing but reservations, if they bound it
+            if self.config.stale_policy != "ledger" or not self._ledger_bounds_engine():
+                return None
+            return ledger.reserved_blocks + extra_blocks + others
         if self.config.growth_model == "lockstep":
             ours = ledger.peak_blocks(slack_blocks=int(BOUND_SLACK * self.geometry.num_blocks))
         else:
@@ -209,6 +210,17 @@ class EngineBook:
         # Whatever the sample shows beyond what we know to be ours belongs to someone else.
         external = max(0, sampled - ledger.in_sample_blocks)
         return external + ours + extra_blocks + others
+
+    def _ledger_bounds_engine(self) -> bool:
+        """Whether the reservations alone can stand for the engine while its metrics are stale: only when kvgate
+        has it to itself (with the other replicas' claims, if there are any to be had), has seen it at least
+        once, and did not last see its gate closed with requests of its own still in (the reservations were
+        short of what it held then)."""
+        if not self.config.exclusive_upstream or self.sample is None:
+            return False  # other clients' use is unknown, or the engine was never seen
+        if self.shared and self.others_blocks is None:
+            return False  # the other replicas' claims are unknown (Redis down)
+        return self.gate.is_open or len(self.ledger) == 0
 
     def fits(self, blocks: int, now: float) -> float | None:
         """The projected usage (0..1) with ``blocks`` more admitted, if that may be admitted now; else None."""

@@ -135,6 +135,25 @@ def test_stale_metrics_fall_back_to_the_ledger_under_a_lower_cap() -> None:
     assert isinstance(c.submit(rc(1), "t", 5.0), Queued)
 
 
+def test_stale_metrics_fall_back_to_the_ledger_only_where_it_bounds_the_engine() -> None:
+    """The reservations stand for the engine while its metrics are stale only if kvgate has the engine to
+    itself, has seen it, and did not last see it full with requests of its own in. Other clients' use, an
+    engine never seen, or a closed gate with our requests still held: admit nothing until a fresh sample
+    (before, up to stale_ledger_cap of kvgate's own on top)."""
+    shared = make(stale_after_s=2.0, exclusive_upstream=False)
+    assert isinstance(shared.submit(rc(1), "t", 5.0), Queued)
+    full = make(stale_after_s=2.0)
+    held = full.submit(rc(20), "t", 0.1)
+    assert isinstance(held, Admitted)
+    full.begin_sample()
+    full.apply_sample(UsageSample(usage=0.92, taken_at=0.2))  # the gate closes with our request in
+    assert isinstance(full.submit(rc(1), "t", 5.0), Queued)  # stale now, and the gate was closed
+    full.release(held.reservation, 5.1)
+    assert len(full.pump(5.1)) == 1  # ours are gone: the ledger bounds it again
+    unseen = AdmissionController(AdmissionConfig(stale_after_s=2.0), KvGeometry(16, 100))
+    assert isinstance(unseen.submit(rc(1), "t", 5.0), Queued)
+
+
 def test_hold_policy_admits_nothing_on_stale_metrics() -> None:
     c = make(stale_after_s=2.0, stale_policy="hold")
     assert isinstance(c.submit(rc(1), "t", 5.0), Queued)
