@@ -176,6 +176,8 @@ class CostEstimator:
     ) -> RequestCost | None:
         """Priced at ``reserved`` when every limit holds at ``highs`` (so it holds for the truth) and the gap
         between them is small for the pool; else None: only a count decides."""
+        # the byte-weighted reserve can pass the rank-based high end on a large window: never price above it
+        reserved = tuple(map(min, reserved, highs))
         error_tokens = (sum(highs) - sum(reserved)) * request.sequences_per_prompt
         try:
             self._price(request, highs, geometry)

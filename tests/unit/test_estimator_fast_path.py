@@ -346,3 +346,12 @@ async def test_a_dense_new_turn_is_no_draw_from_the_learned_band(hf: HFTokenizer
     with pytest.raises(GatewayError) as err:
         await costs.estimate(later)
     assert err.value.code == "context_length_exceeded" and costs.tally.by_conversation == 0
+
+
+def test_a_reserve_above_the_checked_high_end_is_priced_at_the_high_end(hf: HFTokenizer) -> None:
+    """On a large window the byte-weighted reserve can pass the rank-based high end the limits were checked
+    at; priced at it, a prompt inside every limit at its high end could be refused (here: past the context)."""
+    costs = estimator(TokenCounter(hf))
+    request = InferenceRequest("completions", "m", 1, 8, None, [[]], None)
+    cost = costs._decided(request, highs=(380,), reserved=(395,), geometry=GEO)
+    assert cost is not None and cost.prompt_tokens == (380,)
