@@ -171,8 +171,9 @@ class AdmissionConfig(_Model):
         description="All traffic to the engine goes through this gateway (sidecar), or through this gateway's "
         "replicas sharing their engine books in Redis (redis.share_engine_reservations): the ledgers then bound "
         "usage from above (prompts priced without the tokenizer: in sum over the requests in flight), which lets "
-        "the gateway admit as soon as a request ends instead of a scrape later. Replicas whose shared books "
-        "cannot answer (Redis down) go by the engine's samples meanwhile.",
+        "the gateway admit as soon as a request ends instead of a scrape later; what a sample shows beyond all "
+        "that was reserved while it was taken still counts. Replicas whose shared books cannot answer (Redis "
+        "down) go by the engine's samples meanwhile.",
     )
     growth_model: Literal["lockstep", "worst_case"] = Field(
         "lockstep",
