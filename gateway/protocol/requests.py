@@ -1,7 +1,7 @@
 """Parsing: turn a request body into the few fields admission needs, or a 400 that says what is wrong.
 
 The body itself is forwarded unchanged; we read it, never rewrite it. Checks stop at what the gateway relies
-on (prompt, messages, n/best_of, max_tokens, stream) and what it tokenizes (message content parts, names,
+on (prompt, messages, n, max_tokens, stream) and what it tokenizes (message content parts, names,
 tool calls, tools): anything the tokenizer or a chat template would trip over must be a 400 here, never a 500
 later. Everything else is the engine's business.
 """
@@ -57,10 +57,12 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     for key in ("include_usage", "continuous_usage_stats"):
         optional_field(stream_options, key, bool, f"stream_options.{key}")
     n = _positive_int(body, "n") or 1
-    best_of = _positive_int(body, "best_of")
-    if best_of is not None and best_of < n:
-        raise bad_request("best_of must be greater than or equal to n.", param="best_of")
-    max_tokens = _positive_int(body, "max_tokens")
+    # best_of is not read: vLLM's V1 engine has none (0.32's chat and completions requests drop it), so it
+    # neither multiplies the sequences nor may it be refused
+    if endpoint == "completions" and body.get("echo") is True and body.get("max_tokens") == 0:
+        max_tokens: int | None = 1  # vLLM runs an echo without generation as one token
+    else:
+        max_tokens = _positive_int(body, "max_tokens")
     if endpoint == "chat":
         max_tokens = _positive_int(body, "max_completion_tokens") or max_tokens
     elif max_tokens is None:
@@ -83,7 +85,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     return InferenceRequest(
         endpoint=endpoint,
         model=model,
-        sequences_per_prompt=max(n, best_of or 1),
+        sequences_per_prompt=n,
         max_tokens=max_tokens,
         messages=messages,
         prompts=prompts,

@@ -1,7 +1,7 @@
 """Cost estimation: how many KV blocks a request can occupy at its peak.
 
 vLLM allocates KV memory in fixed-size blocks of ``block_size`` tokens per sequence. A sequence's peak is
-``ceil((prompt + output) / block_size)`` blocks; ``n`` (or ``best_of``) sequences each hold their own. Each
+``ceil((prompt + output) / block_size)`` blocks; ``n`` sequences each hold their own. Each
 prompt's output budget is vLLM's own (``get_max_tokens``): the request's ``max_tokens`` (or the route's default,
 16 for completions, none for chat), never more than ``max_model_len`` minus that prompt. A request whose
 ``max_tokens`` runs past the context is clamped by vLLM, not refused, so it is clamped here too.
