@@ -137,24 +137,22 @@ class Admitter:
 
         The caller owns the returned reservation and must :meth:`release` it."""
         started = self.clock()
+        qclass = qclass or QueueClass()
         budget = self.controller.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         while True:
             remaining = max(0.0, budget - (self.clock() - started))
             admission = await self._acquire_here(
                 cost, tenant, remaining, qclass, body_bytes, key, retry, prefix, started
             )
-            if self.shared is None:
-                refused = None
-            else:
-                priority = STANDARD if qclass is None else qclass.priority
-                refused = await self._claim(admission.reservation, self.clock() - started, priority)
+            waited = self.clock() - started
+            refused = None if self.shared is None else await self._claim(admission.reservation, waited, qclass)
             if refused is None:
                 self.controller.placed(admission.reservation)
                 return admission
             self.release(admission.reservation, refused)
             retry = True
 
-    async def _claim(self, res: Reservation, waited_s: float, priority: int) -> str | None:
+    async def _claim(self, res: Reservation, waited_s: float, qclass: QueueClass) -> str | None:
         """Claim ``res``'s blocks in the shared books: None when claimed; else why not, as the release's
         outcome: ``claim_refused`` (the other replicas hold too much there now, or requests queued there for
         longer than ``waited_s`` need the room) or ``claim_unanswered`` (the books cannot say, and the
@@ -173,7 +171,7 @@ class Admitter:
                 book.room_for_others(now),
                 book.shared_mark(now),
                 waited_s,
-                priority,
+                qclass.priority,
             )
         except BaseException:
             self.release(res, "client_disconnect")
@@ -190,7 +188,7 @@ class Admitter:
         cost: RequestCost,
         tenant: str,
         max_wait_s: float | None,
-        qclass: QueueClass | None,
+        qclass: QueueClass,
         body_bytes: int,
         key: tuple[str, ...],
         retry: bool,
@@ -198,7 +196,6 @@ class Admitter:
         arrived_at: float,
     ) -> Admission:
         """Admit now, or wait in the queue until admitted, by this replica's own books."""
-        qclass = qclass or QueueClass()
         now = self.clock()
         decision = self.controller.submit(
             cost, tenant, now, max_wait_s, qclass, body_bytes, key, retry, prefix, arrived_at

@@ -117,24 +117,19 @@ def _first_event_is_busy(chunk: bytes) -> bool:
 
 
 def parse_usage(payload: bytes) -> Usage | None:
-    """The engine's count of a request's tokens, in any of vLLM's shapes: ``prompt_tokens`` and
-    ``completion_tokens`` (completions, chat, pooling), ``input_tokens`` and ``output_tokens`` (``/v1/responses``,
-    ``/v1/messages``), at the top or in a Responses stream's ``response.completed`` event. None when the payload
-    says no prompt count: an absent count is not a zero one (it would refund the whole charge and teach the
-    output estimate a zero)."""
+    """The engine's count of a request's tokens in a whole (not streamed) answer: see :func:`_usage_of`."""
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(data, dict):
-        return None
-    usage = data.get("usage")
-    if usage is None and isinstance(response := data.get("response"), dict):
-        usage = response.get("usage")
-    return _usage_of(usage)
+    return _usage_of(data.get("usage")) if isinstance(data, dict) else None
 
 
 def _usage_of(usage: object) -> Usage | None:
+    """A ``usage`` object in any of vLLM's shapes: ``prompt_tokens`` and ``completion_tokens`` (completions,
+    chat, pooling), ``input_tokens`` and ``output_tokens`` (``/v1/responses``, ``/v1/messages``). None when it
+    says no prompt count: an absent count is not a zero one (it would refund the whole charge and teach the
+    output estimate a zero)."""
     if not isinstance(usage, dict):
         return None
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))

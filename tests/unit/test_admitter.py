@@ -90,13 +90,21 @@ async def test_queued_request_is_woken_when_capacity_frees() -> None:
     assert len(admitter.controller.ledger) == 0
 
 
-async def test_deadline_gives_503_with_retry_after() -> None:
-    admitter, clock = make(queue_max_wait_s=1.0)
-    gate = asyncio.Event()
+async def queued_behind_a_blocker(
+    admitter: Admitter, gate: asyncio.Event
+) -> tuple[asyncio.Task[str], asyncio.Task[str]]:
+    """A request holding 90 of the 100 blocks until ``gate``, and one of 10 queued behind it."""
     blocker = asyncio.create_task(hold(admitter, 90, gate))
     await asyncio.sleep(0)
     waiter = asyncio.create_task(hold(admitter, 10, asyncio.Event()))
     await asyncio.sleep(0)
+    return blocker, waiter
+
+
+async def test_deadline_gives_503_with_retry_after() -> None:
+    admitter, clock = make(queue_max_wait_s=1.0)
+    gate = asyncio.Event()
+    blocker, waiter = await queued_behind_a_blocker(admitter, gate)
     clock.now = 1.5
     admitter._expire()
     with pytest.raises(GatewayError) as err:
@@ -112,10 +120,7 @@ async def test_a_deadline_timer_that_fires_early_is_armed_again() -> None:
     deadline: the request must get a timer again, not wait past its budget with none left."""
     admitter, clock = make(queue_max_wait_s=1.0)
     gate = asyncio.Event()
-    blocker = asyncio.create_task(hold(admitter, 90, gate))
-    await asyncio.sleep(0)
-    waiter = asyncio.create_task(hold(admitter, 10, asyncio.Event()))
-    await asyncio.sleep(0)
+    blocker, waiter = await queued_behind_a_blocker(admitter, gate)
     (ticket_id,) = admitter._waiters
     _, _, timer = admitter._waiters[ticket_id]
     timer.cancel()
