@@ -122,7 +122,6 @@ async def run(
             TokenCounter(tokenizer),
             geometry=lambda: geometry,
             max_model_len=lambda: max_model_len,
-            high_watermark=0.9,
             fast_path=fast,
         )
 

@@ -13,8 +13,10 @@ the engine may hold if we admit this request:
   this replica has reserved if that is more (a replica that lost Redis, or claims a restarted Redis forgot,
   still show there); while the shared books cannot say, ``B`` is no bound and ``A`` decides.
 
-A request fits when the gate is open and ``min(A, B) <= high x total``. With stale metrics the ``ledger``
-policy admits against ``B`` alone under a lower cap; ``hold`` admits nothing.
+A request fits when the gate is open and ``min(A, B) <= high x total``, or, if it alone is more than that (a
+long output budget on a pool of about one context), when nothing else of the gateway's is on the engine and it
+fits the whole pool. With stale metrics the ``ledger`` policy admits against ``B`` alone under a lower cap;
+``hold`` admits nothing.
 
 An engine of a pool that refuses connections, or whose scrapes keep failing, is *ejected*: nothing is placed
 on it for a backoff that doubles with each ejection in a row (1 s up to 60 s), and it rejoins with its first
@@ -227,11 +229,20 @@ class EngineBook:
         projected = self.projected_blocks(blocks, now)
         if projected is None or self.geometry is None:
             return None
+        total = self.geometry.num_blocks
         if self.is_stale(now):
-            ok = projected <= self.config.stale_ledger_cap * self.geometry.num_blocks
+            ok = projected <= self.config.stale_ledger_cap * total
         else:
-            ok = self.gate.is_open and projected <= self.config.high_watermark * self.geometry.num_blocks
-        return projected / self.geometry.num_blocks if ok else None
+            cap = self.config.high_watermark * total
+            ok = self.gate.is_open and (projected <= cap or (blocks > cap and self._alone() and projected <= total))
+        return projected / total if ok else None
+
+    def _alone(self) -> bool:
+        """Nothing of the gateway's (this replica's or, as far as the shared books say, the others') is here.
+        A request larger than the watermark leaves room for (one whose output budget is most of a pool that
+        holds one context, as vLLM's ``--max-model-len -1`` sizes it) runs then, alone: vLLM itself checked
+        at startup that one sequence of the whole context fits its pool, and it would serve it."""
+        return len(self.ledger) == 0 and self.others_blocks == 0
 
     def room_for_others(self, now: float) -> int:
         """How many blocks other replicas may hold here, not yet in the sample, with what this replica holds
@@ -240,7 +251,8 @@ class EngineBook:
         if projected is None or self.geometry is None:
             return 0
         cap = self.config.stale_ledger_cap if self.is_stale(now) else self.config.high_watermark
-        return int(cap * self.geometry.num_blocks) - (projected - (self.others_blocks or 0))
+        # never below 0: a request running alone past the cap (:meth:`fits`) leaves the others no room at all
+        return max(0, int(cap * self.geometry.num_blocks) - (projected - (self.others_blocks or 0)))
 
     def shared_mark(self, now: float) -> SampleMark | None:
         """The sample this replica's projections rest on, as the other replicas' claims are weighed against it:

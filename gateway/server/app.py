@@ -91,7 +91,6 @@ class Gateway:
             TokenCounter(HeuristicTokenizer(), source="pending"),
             geometry=lambda: self.controller.geometry,
             max_model_len=lambda: config.model.max_model_len or self.pool.model.max_model_len,
-            high_watermark=config.admission.high_watermark,
             fast_path=config.tokenizer_fast_path,
             reserve_quantile=config.tokenizer_fast_path_quantile,
         )

@@ -79,7 +79,8 @@ def plan_request(
     count_text: Callable[[str], int],
     count_messages: Callable[[list[dict[str, Any]]], int],
 ) -> Plan:
-    """Validate like vLLM: unknown model is 404, a prompt plus max_tokens over max_model_len is 400."""
+    """Validate like vLLM: unknown model is 404, a prompt that leaves no room for output is 400, and
+    ``max_tokens`` past the context is clamped to what is left of it."""
     model = body.get("model", served_model)
     if model != served_model:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")

@@ -114,12 +114,13 @@ def estimate_cost(
     sequences_per_prompt: int,
     max_model_len: int | None,
     geometry: KvGeometry,
-    high_watermark: float,
     min_tokens: int = 0,
     prompt_high: tuple[int, ...] | None = None,
 ) -> RequestCost:
     """Turn token counts into a block reservation, rejecting what the engine could never serve: a prompt
-    longer than the context (vLLM's own 400), or a request larger than the pool may ever hold.
+    longer than the context (vLLM's own 400), or a request larger than its whole pool. One larger than the
+    watermark leaves room for is not refused: admission runs it alone (vLLM sizes its pool to hold at least
+    one sequence of the whole context, and with ``--max-model-len -1`` the context to the pool).
     ``prompt_high``: the counts are an estimate, and these are the prompts at their most."""
     longest = max(prompt_tokens, default=0)
     generates = max_tokens != 0  # pooling and scoring requests produce no tokens and may fill the context
@@ -138,14 +139,12 @@ def estimate_cost(
         blocks = sequences_per_prompt * sum(
             blocks_for(p + o, geometry.block_size) for p, o in zip(prompt_tokens, outputs, strict=True)
         )
-    ceiling = math.floor(high_watermark * geometry.num_blocks)
-    if blocks > ceiling:
+    if blocks > geometry.num_blocks:
         raise GatewayError(
             400,
             f"This request needs {blocks} KV-cache blocks ({sum(prompt_tokens)} prompt tokens, "
             f"{output} output tokens x {sequences_per_prompt} sequence(s), block size {geometry.block_size}), "
-            f"but at most {ceiling} of the engine's {geometry.num_blocks} blocks may be in use (high watermark "
-            f"{high_watermark:.2f}). Reduce max_tokens, n or the prompt.",
+            f"but the engine has {geometry.num_blocks}. Reduce max_tokens, n or the prompt.",
             param="max_tokens",
             code="kv_cache_capacity_exceeded",
         )

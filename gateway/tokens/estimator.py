@@ -62,7 +62,6 @@ class CostEstimator:
         *,
         geometry: Callable[[], KvGeometry | None],
         max_model_len: Callable[[], int | None],
-        high_watermark: float,
         fast_path: bool = True,
         reserve_quantile: float = 0.7,
         max_error_share: float = MAX_ERROR_SHARE,
@@ -72,7 +71,6 @@ class CostEstimator:
         self.counter = counter
         self._geometry = geometry
         self._max_model_len = max_model_len
-        self._high_watermark = high_watermark
         self.fast_path = fast_path
         self.reserve_quantile = reserve_quantile
         self.max_error_share = max_error_share
@@ -200,7 +198,6 @@ class CostEstimator:
             sequences_per_prompt=request.sequences_per_prompt,
             max_model_len=self._max_model_len(),
             geometry=geometry,
-            high_watermark=self._high_watermark,
             min_tokens=request.min_tokens,
             prompt_high=prompt_high,
         )

@@ -91,8 +91,7 @@ def test_streams_are_relayed_chunk_by_chunk(mini_vllm: Callable[..., str], gatew
         (b"{not json", 400, None),
         (b'{"prompt": 12}', 400, None),
         (b'{"prompt": [' + b",".join([b"1"] * 4100) + b'], "max_tokens": 5}', 400, "context_length_exceeded"),
-        (b'{"prompt": "x", "max_tokens": 5000}', 400, "kv_cache_capacity_exceeded"),  # clamped, still too big
-        (b'{"prompt": "x", "max_tokens": 4000, "n": 2}', 400, "kv_cache_capacity_exceeded"),
+        (b'{"prompt": "x", "max_tokens": 4000, "n": 2}', 400, "kv_cache_capacity_exceeded"),  # twice the pool
         (b'{"prompt": "x", "max_tokens": 5, "model": "other"}', 404, None),
     ],
 )
@@ -105,6 +104,24 @@ def test_errors_are_openai_shaped(pair: tuple[str, str], body: bytes, status: in
     if code is not None:
         assert error["code"] == code
     assert_ledger_empty(gw)
+
+
+def test_a_chat_without_max_tokens_is_served_on_a_pool_of_one_context(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
+) -> None:
+    """The engine's pool holds exactly one context (256 blocks of 16, max_model_len 4096: what vLLM's
+    ``--max-model-len -1`` makes), so a chat without max_tokens may fill all of it: past the watermark, short
+    of the pool. vLLM serves it; kvgate refused it (a 400) and now serves it too, alone."""
+    gw = gateway(mini_vllm(token_delay_ms=0), {"tokenizer": "heuristic"})
+    client = openai.OpenAI(base_url=gw + "/v1", api_key="x")
+    msgs = [{"role": "user", "content": "Say something"}]
+    for _ in range(2):
+        chat = client.chat.completions.create(model="mini", messages=msgs)  # type: ignore[arg-type]
+        assert chat.usage is not None and chat.usage.total_tokens == 4096  # the whole context
+        comp = client.completions.create(model="mini", prompt="x", max_tokens=5000)  # clamped to the context
+        assert comp.usage is not None and comp.usage.total_tokens == 4096
+    m = assert_ledger_empty(gw)
+    assert m["kvgate_requests_admitted_total"] == 4
 
 
 def test_oversized_body_is_413(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:

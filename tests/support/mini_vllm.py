@@ -84,9 +84,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.get("model") not in (None, st.model):
         return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
     prompt = _prompt_tokens(body)
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or (st.max_model_len - prompt)
-    if prompt + max_tokens > st.max_model_len:
+    if prompt >= st.max_model_len:
         return _error(400, f"This model's maximum context length is {st.max_model_len} tokens.", "BadRequestError")
+    # vLLM's get_max_tokens: a max_tokens past the context is clamped to what is left of it, not refused
+    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = st.max_model_len - prompt if asked is None else min(asked, st.max_model_len - prompt)
     stream = bool(body.get("stream"))
     if st.busy_after is not None and len(st.active) >= st.busy_after:
         st.busy_rejections += 1

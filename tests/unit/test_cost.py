@@ -17,7 +17,6 @@ def cost(prompts: tuple[int, ...], max_tokens: int | None = None, n: int = 1, ma
         sequences_per_prompt=n,
         max_model_len=max_model_len,
         geometry=GEO,
-        high_watermark=0.9,
     )
 
 
@@ -67,9 +66,20 @@ def test_each_prompt_of_a_batch_gets_its_own_budget() -> None:
 
 def test_a_request_that_can_never_fit_names_the_numbers() -> None:
     with pytest.raises(GatewayError) as err:
-        cost((14000,), 500, max_model_len=None)  # 907 blocks > 900
+        cost((15600,), 500, max_model_len=None)  # 1007 blocks > the pool's 1000
     assert err.value.status == 400 and err.value.code == "kv_cache_capacity_exceeded"
-    assert "907" in err.value.message and "900" in err.value.message and "1000" in err.value.message
+    assert "1007" in err.value.message and "1000" in err.value.message
+
+
+def test_a_request_past_the_watermark_but_inside_the_pool_is_priced() -> None:
+    """vLLM serves one sequence of its whole context (its startup check says the pool holds one); with
+    ``--max-model-len -1`` the context is the pool. A chat without max_tokens there reserves the whole pool:
+    admission runs it alone rather than refusing what the engine would serve (the 400 was at 90%)."""
+    assert cost((14000,), 500, max_model_len=None).blocks == 907
+    whole = estimate_cost((20,), max_tokens=None, sequences_per_prompt=1, max_model_len=16_000, geometry=GEO)
+    assert whole.blocks == 1000 and whole.max_output == 15_980
+    with pytest.raises(GatewayError):
+        estimate_cost((20,), max_tokens=None, sequences_per_prompt=2, max_model_len=16_000, geometry=GEO)
 
 
 def test_total_tokens_is_what_rate_limits_charge() -> None:
@@ -90,7 +100,6 @@ def test_blocks_after_grows_to_the_reservation(prompts: list[int], out: int, n: 
         sequences_per_prompt=n,
         max_model_len=None,
         geometry=KvGeometry(16, 10**9),
-        high_watermark=0.9,
     )
     now = c.blocks_after(generated, 16)
     assert c.blocks_after(0, 16) == n * sum(blocks_for(p, 16) for p in prompts)

@@ -65,7 +65,6 @@ def estimator(
         counter,
         geometry=lambda: GEO,
         max_model_len=lambda: MAX_MODEL_LEN,
-        high_watermark=0.9,
         fast_path=fast_path,
         max_error_share=max_error_share,
         lengths=PromptLengths(min_samples=min_samples),
@@ -255,7 +254,6 @@ def long_context_estimator(counter: TokenCounter, *, remember: bool = True) -> C
         counter,
         geometry=lambda: KvGeometry(block_size=16, num_blocks=100_000),
         max_model_len=lambda: LONG_CONTEXT,
-        high_watermark=0.9,
         lengths=PromptLengths(min_samples=100),
         conversations=ConversationCounts(min_bytes=0 if remember else 1 << 40),
     )

@@ -25,9 +25,7 @@ def controller(enabled: bool = True, min_samples: int = 8) -> AdmissionControlle
 
 
 def chat(prompt: int = 100, max_tokens: int | None = None, n: int = 1):  # type: ignore[no-untyped-def]
-    return estimate_cost(
-        (prompt,), max_tokens=max_tokens, sequences_per_prompt=n, max_model_len=4096, geometry=GEO, high_watermark=0.9
-    )
+    return estimate_cost((prompt,), max_tokens=max_tokens, sequences_per_prompt=n, max_model_len=4096, geometry=GEO)
 
 
 def test_a_request_reserves_its_expected_output_once_lengths_are_known() -> None:
@@ -137,7 +135,7 @@ def test_min_tokens_is_a_floor_of_the_estimate() -> None:
     for _ in range(8):
         c.learn(seed.reservation, 50)
     floor = estimate_cost(
-        (100,), max_tokens=None, sequences_per_prompt=1, max_model_len=4096, geometry=GEO, high_watermark=0.9,
+        (100,), max_tokens=None, sequences_per_prompt=1, max_model_len=4096, geometry=GEO,
         min_tokens=400,
     )  # fmt: skip
     assert c.expected_cost(floor, KEY).max_output == 400
