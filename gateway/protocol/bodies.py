@@ -4,9 +4,11 @@
 Chat and completions are read exactly (:mod:`gateway.protocol.requests`). The other routes are costed as the
 engine sees them, coarsely where the body does not say more:
 
-* ``/v1/responses``: ``instructions`` and ``input`` items become chat messages; ``max_output_tokens`` caps the
-  output (absent: up to the context length, as chat).
-* ``/v1/messages`` (Anthropic): ``system`` and ``messages`` become chat messages; ``max_tokens`` caps the output.
+* ``/v1/responses``: ``instructions`` and ``input`` items become the chat messages vLLM makes of them
+  (:mod:`gateway.protocol.as_chat`); ``max_output_tokens`` caps the output (absent: up to the context length,
+  as chat).
+* ``/v1/messages`` (Anthropic): ``system``, ``messages`` and ``tools`` become the chat request vLLM makes of
+  them; ``max_tokens`` caps the output.
 * ``/invocations`` (SageMaker): dispatched on its body, as vLLM does: ``messages`` -> chat, ``prompt`` ->
   completions, ``input`` -> pooling.
 * pooling routes (embeddings, ``/pooling``, ``/classify``): the inputs are prompts that produce no output tokens.
@@ -21,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from gateway.protocol.as_chat import anthropic_messages, anthropic_tools, responses_messages, responses_tools
 from gateway.protocol.errors import bad_request
 from gateway.protocol.requests import (
     RUNS_TO_BUDGET,
@@ -70,74 +73,23 @@ def _budget(body: dict[str, Any], key: str) -> int | None:
     return value
 
 
-def _text(content: Any, param: str) -> str:
-    """The text of a content value: a string, or a list of parts whose text is counted (other parts, such as
-    images or tool results, count as their JSON)."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict):
-                raise bad_request(f"{param}[{i}] must be an object.", param=f"{param}[{i}]")
-            text = part.get("text")
-            if text is not None and not isinstance(text, str):
-                raise bad_request(f"{param}[{i}].text must be a string.", param=f"{param}[{i}].text")
-            texts.append(text if text is not None else orjson.dumps(part).decode())
-        return "\n".join(texts)
-    raise bad_request(f"{param} must be a string or an array of parts.", param=param)
-
-
-def _tools(body: dict[str, Any]) -> list[Any] | None:
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad_request("'tools' must be an array.", param="tools")
-    return tools
-
-
-def _chat(body: dict[str, Any], messages: list[dict[str, Any]], max_tokens: int | None) -> InferenceRequest:
+def _chat(
+    body: dict[str, Any], messages: list[dict[str, Any]], max_tokens: int | None, tools: list[Any] | None
+) -> InferenceRequest:
     if not messages:
         raise bad_request("The request has no input.", param="input")
-    return InferenceRequest("chat", _model(body), 1, max_tokens, messages, [], _tools(body))
+    return InferenceRequest("chat", _model(body), 1, max_tokens, messages, [], tools)
 
 
 def _responses(body: dict[str, Any]) -> InferenceRequest:
     if body.get("background"):
         # the engine would go on generating after the answer, outside any reservation
         raise bad_request("Background responses are not supported through this gateway.", param="background")
-    messages: list[dict[str, Any]] = []
-    instructions = body.get("instructions")
-    if instructions is not None:
-        messages.append({"role": "system", "content": _text(instructions, "instructions")})
-    items = body.get("input")
-    if isinstance(items, str):
-        messages.append({"role": "user", "content": items})
-    elif isinstance(items, list):
-        for i, item in enumerate(items):
-            if not isinstance(item, dict):
-                raise bad_request(f"input[{i}] must be an object.", param=f"input[{i}]")
-            role = item.get("role")
-            if isinstance(role, str):
-                messages.append({"role": role, "content": _text(item.get("content"), f"input[{i}].content")})
-            else:  # function calls, their outputs, reasoning items: counted as their JSON
-                messages.append({"role": "user", "content": orjson.dumps(item).decode()})
-    elif items is not None:
-        raise bad_request("'input' must be a string or an array of items.", param="input")
-    return _chat(body, messages, _budget(body, "max_output_tokens"))
+    return _chat(body, responses_messages(body), _budget(body, "max_output_tokens"), responses_tools(body))
 
 
 def _anthropic_messages(body: dict[str, Any]) -> InferenceRequest:
-    messages: list[dict[str, Any]] = []
-    if body.get("system") is not None:
-        messages.append({"role": "system", "content": _text(body["system"], "system")})
-    listed = body.get("messages")
-    if not isinstance(listed, list) or not listed:
-        raise bad_request("'messages' must be a non-empty array.", param="messages")
-    for i, message in enumerate(listed):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string 'role'.", param=f"messages[{i}]")
-        messages.append({"role": message["role"], "content": _text(message.get("content"), f"messages[{i}].content")})
-    return _chat(body, messages, _budget(body, "max_tokens"))
+    return _chat(body, anthropic_messages(body), _budget(body, "max_tokens"), anthropic_tools(body))
 
 
 def _prompts(value: Any, param: str) -> list[Prompt]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
 from collections.abc import Callable
 
@@ -122,6 +123,47 @@ def test_a_chat_without_max_tokens_is_served_on_a_pool_of_one_context(
         assert comp.usage is not None and comp.usage.total_tokens == 4096
     m = assert_ledger_empty(gw)
     assert m["kvgate_requests_admitted_total"] == 4
+
+
+def test_an_image_on_the_anthropic_and_responses_routes_is_not_priced_as_text(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
+) -> None:
+    """A 300 KB base64 image was counted as ~75k tokens of text: a 400 (longer than the 4,096-token context) for
+    a request the engine serves. It is an image part now, as vLLM converts it."""
+    gw = gateway(mini_vllm(token_delay_ms=0), {"tokenizer": "heuristic"})
+    data = base64.b64encode(bytes(range(256)) * 900).decode()
+    bodies = {
+        "/v1/messages": {
+            "model": "mini",
+            "max_tokens": 8,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                    ],
+                }
+            ],
+        },
+        "/v1/responses": {
+            "model": "mini",
+            "max_output_tokens": 8,
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What is this?"},
+                        {"type": "input_image", "image_url": f"data:image/png;base64,{data}"},
+                    ],
+                }
+            ],
+        },
+    }
+    for path, body in bodies.items():
+        r = httpx.post(gw + path, json=body, timeout=30)
+        assert r.status_code == 200, (path, r.text)
+    assert assert_ledger_empty(gw)["kvgate_requests_admitted_total"] == 2
 
 
 def test_oversized_body_is_413(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:

@@ -1,0 +1,169 @@
+"""Responses and Anthropic bodies become the chat messages vLLM 0.32 builds from them (its
+``construct_input_messages`` and ``AnthropicServingMessages.to_chat_completion_request``), so that what kvgate
+counts is what the engine's template renders: images stay images, tool calls become ``tool_calls``."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.protocol.bodies import parse_body
+from gateway.protocol.errors import GatewayError
+from gateway.tokens.prompt_estimate import prompt_sizes
+from gateway.tokens.tokenizers import HeuristicTokenizer
+
+PNG = base64.b64encode(bytes(range(256)) * 1500).decode()  # 384 KB of base64: ~96k "tokens" read as text
+IMAGE_URL = f"data:image/png;base64,{PNG}"
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def parsed(kind: str, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Any] | None]:
+    request = parse_body(kind, orjson.dumps(body))  # type: ignore[arg-type]
+    assert request.messages is not None
+    return request.messages, request.tools
+
+
+def test_anthropic_blocks_become_what_vllm_renders() -> None:
+    body = {
+        "model": "m",
+        "max_tokens": 64,
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=1; hash=abc"},
+            {"type": "text", "text": "Be brief."},
+            {"type": "text", "text": " Use tools."},
+        ],
+        "tools": [{"name": "look", "description": "looks", "input_schema": {"type": "object"}}],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "Let me look.", "signature": "s"},
+                    {"type": "tool_use", "id": "t1", "name": "look", "input": {"zoom": 2}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "content": [
+                            {"type": "text", "text": "a cat"},
+                            {"type": "image", "source": {"type": "url", "url": "https://x/cat.png"}},
+                        ],
+                    }
+                ],
+            },
+            {"role": "user", "content": [{"type": "text", "text": "Thanks."}]},
+        ],
+    }
+    messages, tools = parsed("messages", body)
+    assert messages == [
+        {"role": "system", "content": "Be brief. Use tools."},
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image_part(IMAGE_URL)]},
+        {
+            "role": "assistant",
+            "reasoning": "Let me look.",
+            "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "look", "arguments": '{"zoom": 2}'}}],
+        },
+        {"role": "tool", "tool_call_id": "t1", "content": "a cat"},
+        {"role": "user", "content": [image_part("https://x/cat.png")]},
+        {"role": "user", "content": "Thanks."},  # the tool result's own user message had nothing else: dropped
+    ]
+    assert tools == [
+        {"type": "function", "function": {"name": "look", "description": "looks", "parameters": {"type": "object"}}}
+    ]
+
+
+def test_responses_items_become_what_vllm_renders() -> None:
+    image = {"type": "input_image", "image_url": IMAGE_URL}
+    body = {
+        "model": "m",
+        "instructions": "Be brief.",
+        "tools": [{"type": "function", "name": "look", "parameters": {}}, {"type": "web_search"}],
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "What is this?"}, image]},
+            {"type": "reasoning", "id": "r", "summary": [], "content": [{"type": "reasoning_text", "text": "Hm."}]},
+            {"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "look", "arguments": '{"z": 1}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "a cat"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "A cat."}]},
+        ],
+    }
+    messages, tools = parsed("responses", body)
+    call = {"type": "function", "function": {"name": "look", "arguments": "{}"}, "id": "c1"}
+    assert messages == [
+        {"role": "system", "content": "Be brief."},
+        body["input"][0],  # as sent: its image is an image part
+        {
+            "role": "assistant",
+            "reasoning": "Hm.",
+            "tool_calls": [call, {**call, "id": "c2", "function": {"name": "look", "arguments": '{"z": 1}'}}],
+        },
+        {"role": "tool", "content": "a cat", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "A cat."},
+    ]
+    assert tools == [{"type": "function", "function": {"name": "look", "parameters": {}}}]
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        (
+            "messages",
+            {
+                "max_tokens": 8,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+                        ],
+                    }
+                ],
+            },
+        ),
+        ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": IMAGE_URL}]}]}),
+    ],
+    ids=["anthropic", "responses"],
+)
+def test_an_image_is_not_counted_as_its_base64_text(kind: str, body: dict[str, Any]) -> None:
+    """Read as text, the image was ~96k tokens: a 400 (longer than the context) for what vLLM serves, or the
+    whole pool reserved for one request. It is an image part now, priced as a chat's image is."""
+    messages, _ = parsed(kind, body)
+    assert HeuristicTokenizer().count_messages(messages) < 20
+    assert prompt_sizes(parse_body(kind, orjson.dumps(body))) is None  # not text: no bytes-per-token estimate  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "param"),
+    [
+        ("messages", {"messages": []}, "messages"),
+        ("messages", {"messages": [{"role": "user", "content": ["x"]}]}, "messages[0].content[0]"),
+        ("messages", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ("messages", {"system": 3, "messages": [{"role": "user", "content": "x"}]}, "system"),
+        ("messages", {"tools": {}, "messages": [{"role": "user", "content": "x"}]}, "tools"),
+        ("responses", {"input": [3]}, "input[0]"),
+        ("responses", {"input": [{"type": "mystery"}]}, "input"),
+        ("responses", {"input": 3}, "input"),
+        ("responses", {"instructions": ["x"], "input": "x"}, "instructions"),
+        ("responses", {"input": []}, "input"),
+    ],
+)
+def test_malformed_bodies_are_the_clients_400(kind: str, body: dict[str, Any], param: str) -> None:
+    with pytest.raises(GatewayError) as err:
+        parse_body(kind, orjson.dumps(body))  # type: ignore[arg-type]
+    assert err.value.status == 400 and err.value.param == param
