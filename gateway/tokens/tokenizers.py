@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 from gateway.protocol.errors import bad_request
 from gateway.tokens import hub
+from gateway.tokens.chat_render import content_format, conversation
 
 Message = Mapping[str, Any]
 
@@ -227,6 +228,8 @@ class HFTokenizer:
     ) -> None:
         self._tok = tokenizer
         self._template = _compile_template(chat_template) if chat_template else None
+        self._template_source = chat_template or ""
+        self._content_format = content_format(chat_template) if chat_template else "string"
         self._special = special
         self.name = name
         self.has_chat_template = self._template is not None
@@ -292,7 +295,10 @@ class HFTokenizer:
 
         try:
             rendered: str = self._template.render(
-                messages=list(messages), tools=tools, add_generation_prompt=True, **self._special
+                messages=conversation(messages, self._content_format, self._template_source),
+                tools=tools,
+                add_generation_prompt=True,
+                **self._special,
             )
         except (TemplateError, ValueError, TypeError, OverflowError) as exc:
             raise bad_request(

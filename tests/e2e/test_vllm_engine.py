@@ -207,6 +207,20 @@ CHATS: list[list[dict[str, Any]]] = [
         {"role": "user", "content": "Et le cache KV ? 🚀"},
     ],
     [{"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "joined"}]}],
+    # what vLLM changes before its template renders (gateway/tokens/chat_render.py): no content on a turn that
+    # only calls tools (the template loops over content: kvgate answered 400), a tool's text parts joined,
+    # bare-string parts, Claude Code's billing header, a developer turn the template does not know
+    [
+        {"role": "system", "content": "x-anthropic-billing-header: cc_version=2; cch=1f\nUse the tools."},
+        {"role": "user", "content": ["Weather in ", {"type": "text", "text": "Paris?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"c": 1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": t} for t in ("sun", "ny")]},
+        {"role": "developer", "content": "Answer in one word."},
+    ],
 ]
 
 
