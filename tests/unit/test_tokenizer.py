@@ -221,8 +221,11 @@ def test_a_template_that_refuses_the_messages_is_a_400(hf_dir: Path) -> None:
         tok.count_messages([{"role": "assistant", "content": "hi"}], off_loop=True)
     assert (err.value.status, err.value.type, err.value.param) == (400, "invalid_request_error", "messages")
     assert "roles must alternate" in err.value.message
+    # parts are joined for a template that does not loop over content, as vLLM joins them: no TypeError
+    assert tok.render_chat([{"role": "user", "content": [{"type": "text", "text": "h"}, "i"]}]) == "<|user|>h\ni<|end|>"
+    adding = HFTokenizer(Tokenizer.from_file(str(hf_dir / "tokenizer.json")), "{{ tools + '' }}", {}, "hf:adding")
     with pytest.raises(GatewayError) as err:  # a TypeError inside the template (list + str) is the client's too
-        tok.count_messages([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+        adding.count_messages([{"role": "user", "content": "hi"}], [{"type": "function"}])
     assert err.value.status == 400
 
 
