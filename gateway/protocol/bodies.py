@@ -19,6 +19,7 @@ engine sees them, coarsely where the body does not say more:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -32,6 +33,7 @@ from gateway.protocol.requests import (
     json_object,
     optional_field,
     parse_request,
+    truncation,
 )
 from gateway.protocol.routes import BodyKind
 
@@ -85,7 +87,9 @@ def _responses(body: dict[str, Any]) -> InferenceRequest:
     if body.get("background"):
         # the engine would go on generating after the answer, outside any reservation
         raise bad_request("Background responses are not supported through this gateway.", param="background")
-    return _chat(body, responses_messages(body), _budget(body, "max_output_tokens"), responses_tools(body))
+    request = _chat(body, responses_messages(body), _budget(body, "max_output_tokens"), responses_tools(body))
+    # vLLM truncates to the context unless truncation is "disabled" (the default; a null is not)
+    return replace(request, truncate_to=-1) if "truncation" in body and body["truncation"] != "disabled" else request
 
 
 def _anthropic_messages(body: dict[str, Any]) -> InferenceRequest:
@@ -110,8 +114,11 @@ def _pooling(body: dict[str, Any]) -> InferenceRequest:
     """Embeddings, pooling, classification: prompts in, vectors or labels out, no output tokens."""
     if "messages" in body and "input" not in body:
         request = parse_request("chat", orjson.dumps(body))
-        return InferenceRequest("chat", request.model, 1, 0, request.messages, [], request.tools)
-    return InferenceRequest("completions", _model(body), 1, 0, None, _prompts(body.get("input"), "input"), None)
+        return InferenceRequest(
+            "chat", request.model, 1, 0, request.messages, [], request.tools, truncate_to=request.truncate_to
+        )
+    prompts = _prompts(body.get("input"), "input")
+    return InferenceRequest("completions", _model(body), 1, 0, None, prompts, None, truncate_to=truncation(body))
 
 
 def _score(body: dict[str, Any]) -> InferenceRequest:

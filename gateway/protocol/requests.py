@@ -29,6 +29,9 @@ class InferenceRequest:
     prompts: list[Prompt]
     tools: list[Any] | None
     min_tokens: int = 0  # vLLM's floor: the output is at least this long (if the budget allows)
+    # vLLM's truncate_prompt_tokens: the engine keeps at most this many prompt tokens (-1: as many as the
+    # context allows); None: no truncation
+    truncate_to: int | None = None
 
 
 # vLLM's CompletionRequest defaults max_tokens to 16; chat leaves it open (the context's rest).
@@ -73,6 +76,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     if optional_field(body, "ignore_eos", bool):
         min_tokens = RUNS_TO_BUDGET
 
+    truncate_to = truncation(body)
     messages: list[dict[str, Any]] | None = None
     prompts: list[Prompt] = []
     tools = optional_field(body, "tools", list)
@@ -91,7 +95,16 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         prompts=prompts,
         tools=tools,
         min_tokens=min_tokens,
+        truncate_to=truncate_to,
     )
+
+
+def truncation(body: dict[str, Any]) -> int | None:
+    """``truncate_prompt_tokens``: an int of at least -1, or absent."""
+    value = optional_field(body, "truncate_prompt_tokens", int)
+    if value is not None and value < -1:
+        raise bad_request(f"'truncate_prompt_tokens' must be at least -1, got {value}.", param="truncate_prompt_tokens")
+    return value  # type: ignore[no-any-return]
 
 
 def optional_field(body: dict[str, Any], key: str, kind: type, param: str | None = None) -> Any:

@@ -91,6 +91,17 @@ def plan_request(
         prompt_len = count_messages(messages)
     else:
         prompt_len = _count_prompt(body.get("prompt"), count_text)
+    truncate = body.get("truncate_prompt_tokens")
+    if isinstance(truncate, int) and not isinstance(truncate, bool) and truncate >= -1:
+        if truncate > max_model_len:
+            raise ApiError(
+                400,
+                f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len = {max_model_len}.",
+                "BadRequestError",
+                "truncate_prompt_tokens",
+            )
+        # vLLM keeps that many of the prompt's tokens; -1: the context, less one token to generate
+        prompt_len = min(prompt_len, max_model_len - 1 if truncate == -1 else truncate)
     if int(body.get("n", 1)) != 1:
         raise ApiError(400, "n > 1 is not supported by the simulator", "BadRequestError", "n")
     raw_max = body.get("max_completion_tokens", body.get("max_tokens"))

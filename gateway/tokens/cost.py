@@ -116,14 +116,21 @@ def estimate_cost(
     geometry: KvGeometry,
     min_tokens: int = 0,
     prompt_high: tuple[int, ...] | None = None,
+    truncate_to: int | None = None,
 ) -> RequestCost:
     """Turn token counts into a block reservation, rejecting what the engine could never serve: a prompt
     longer than the context (vLLM's own 400), or a request larger than its whole pool. One larger than the
     watermark leaves room for is not refused: admission runs it alone (vLLM sizes its pool to hold at least
     one sequence of the whole context, and with ``--max-model-len -1`` the context to the pool).
-    ``prompt_high``: the counts are an estimate, and these are the prompts at their most."""
-    longest = max(prompt_tokens, default=0)
+    ``prompt_high``: the counts are an estimate, and these are the prompts at their most. ``truncate_to``:
+    the request's ``truncate_prompt_tokens``; the engine keeps that many of each prompt's tokens."""
     generates = max_tokens != 0  # pooling and scoring requests produce no tokens and may fill the context
+    if truncate_to is not None:
+        limit = _truncation_limit(truncate_to, max_model_len, generates)
+        if limit is not None:
+            prompt_tokens = tuple(min(p, limit) for p in prompt_tokens)
+            prompt_high = None if prompt_high is None else tuple(min(p, limit) for p in prompt_high)
+    longest = max(prompt_tokens, default=0)
     if max_model_len is not None and (longest > max_model_len or (generates and longest >= max_model_len)):
         raise context_length_exceeded(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
@@ -153,3 +160,20 @@ def estimate_cost(
     return RequestCost(
         prompt_tokens, sequences_per_prompt, output, blocks, None if uniform else outputs, floor, prompt_high
     )
+
+
+def _truncation_limit(truncate_to: int, max_model_len: int | None, generates: bool) -> int | None:
+    """The tokens vLLM keeps of a prompt under ``truncate_prompt_tokens``: as asked, never more than the context
+    (a 400, as vLLM answers); -1 is the whole context, less the one token a generation needs. None when -1 and
+    the context is unknown."""
+    if max_model_len is None:
+        return truncate_to if truncate_to >= 0 else None
+    if truncate_to > max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens={truncate_to} cannot be greater than max_model_len = {max_model_len}. "
+            "Please request a smaller truncation size.",
+            param="truncate_prompt_tokens",
+        )
+    if truncate_to < 0:
+        return max_model_len - 1 if generates else max_model_len
+    return truncate_to

@@ -119,8 +119,8 @@ class CostEstimator:
         """What the engine counted (``usage.prompt_tokens``) for a request it served. Only a request with one
         text prompt teaches (every chat; a batch's usage sums its prompts, and token ids need no estimate). With
         the heuristic counting, whose count is itself an estimate, nothing uses what would be learned."""
-        if self.counter.kind == "heuristic":
-            return
+        if self.counter.kind == "heuristic" or request.truncate_to is not None:
+            return  # (a truncated prompt's count says nothing of its size)
         sizes = prompt_sizes(request)
         if sizes is None or len(sizes) != 1 or prompt_tokens <= 0:
             return
@@ -200,4 +200,5 @@ class CostEstimator:
             geometry=geometry,
             min_tokens=request.min_tokens,
             prompt_high=prompt_high,
+            truncate_to=request.truncate_to,
         )

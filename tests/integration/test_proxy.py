@@ -166,6 +166,29 @@ def test_an_image_on_the_anthropic_and_responses_routes_is_not_priced_as_text(
     assert assert_ledger_empty(gw)["kvgate_requests_admitted_total"] == 2
 
 
+def test_a_prompt_longer_than_the_context_is_served_when_the_client_truncates_it(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
+) -> None:
+    """``truncate_prompt_tokens`` (and the Responses API's ``truncation: auto``): vLLM keeps that many of the
+    prompt's tokens and serves it; kvgate refused it as longer than the 4,096-token context."""
+    gw = gateway(mini_vllm(token_delay_ms=0), {"tokenizer": "heuristic"})
+    long = "word " * 8000  # 10,000 tokens at the heuristic's 4 characters each
+    client = openai.OpenAI(base_url=gw + "/v1", api_key="x")
+    truncated = {"truncate_prompt_tokens": 100}
+    comp = client.completions.create(model="mini", prompt=long, max_tokens=4, extra_body=truncated)
+    assert comp.usage is not None and comp.usage.prompt_tokens == 100
+    chat = client.chat.completions.create(
+        model="mini",
+        messages=[{"role": "user", "content": long}],
+        max_tokens=4,
+        extra_body={"truncate_prompt_tokens": -1},  # the context, less the one token it generates
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 4095
+    r = httpx.post(gw + "/v1/completions", json={"model": "mini", "prompt": long, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert assert_ledger_empty(gw)["kvgate_requests_admitted_total"] == 2
+
+
 def test_oversized_body_is_413(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:
     gw = gateway(mini_vllm(), {"tokenizer": "heuristic", "limits": {"max_body_bytes": 2048}})
     r = httpx.post(gw + "/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1})

@@ -84,6 +84,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.get("model") not in (None, st.model):
         return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
     prompt = _prompt_tokens(body)
+    truncate = body.get("truncate_prompt_tokens")
+    if isinstance(truncate, int) and truncate >= -1:  # vLLM keeps that many (-1: the context less one)
+        prompt = min(prompt, st.max_model_len - 1 if truncate == -1 else truncate)
     if prompt >= st.max_model_len:
         return _error(400, f"This model's maximum context length is {st.max_model_len} tokens.", "BadRequestError")
     # vLLM's get_max_tokens: a max_tokens past the context is clamped to what is left of it, not refused

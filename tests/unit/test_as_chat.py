@@ -167,3 +167,11 @@ def test_malformed_bodies_are_the_clients_400(kind: str, body: dict[str, Any], p
     with pytest.raises(GatewayError) as err:
         parse_body(kind, orjson.dumps(body))  # type: ignore[arg-type]
     assert err.value.status == 400 and err.value.param == param
+
+
+def test_responses_truncation_is_vllms_truncate_to_the_context() -> None:
+    def truncate_to(**extra: Any) -> int | None:
+        return parse_body("responses", orjson.dumps({"input": "x", **extra})).truncate_to
+
+    assert truncate_to() is None and truncate_to(truncation="disabled") is None
+    assert truncate_to(truncation="auto") == -1 and truncate_to(truncation=None) == -1  # vLLM: not "disabled"

@@ -82,6 +82,25 @@ def test_a_request_past_the_watermark_but_inside_the_pool_is_priced() -> None:
         estimate_cost((20,), max_tokens=None, sequences_per_prompt=2, max_model_len=16_000, geometry=GEO)
 
 
+def test_a_truncated_prompt_is_priced_as_the_engine_keeps_it() -> None:
+    """vLLM keeps ``truncate_prompt_tokens`` of a prompt (-1: the context, less the token a generation needs),
+    so a prompt longer than the context is served, not refused, and reserves only what is kept."""
+    kept = estimate_cost((9000, 50), max_tokens=10, sequences_per_prompt=1, max_model_len=4096, geometry=GEO,
+                         truncate_to=100, prompt_high=(9500, 60))  # fmt: skip
+    assert kept.prompt_tokens == (100, 50) and kept.prompt_high == (100, 60)
+    whole = estimate_cost((9000,), max_tokens=None, sequences_per_prompt=1, max_model_len=4096, geometry=GEO,
+                          truncate_to=-1)  # fmt: skip
+    assert whole.prompt_tokens == (4095,) and whole.max_output == 1
+    pooled = estimate_cost((9000,), max_tokens=0, sequences_per_prompt=1, max_model_len=4096, geometry=GEO,
+                           truncate_to=-1)  # fmt: skip
+    assert pooled.prompt_tokens == (4096,)
+    with pytest.raises(GatewayError) as err:
+        estimate_cost((10,), max_tokens=1, sequences_per_prompt=1, max_model_len=4096, geometry=GEO, truncate_to=5000)
+    assert err.value.status == 400 and err.value.param == "truncate_prompt_tokens"
+    with pytest.raises(GatewayError):  # without it, the same prompt is longer than the context
+        estimate_cost((9000,), max_tokens=10, sequences_per_prompt=1, max_model_len=4096, geometry=GEO)
+
+
 def test_total_tokens_is_what_rate_limits_charge() -> None:
     c = cost((100, 50), 10, n=2)
     assert c.total_prompt_tokens == 300 and c.total_tokens == 300 + 10 * 4
