@@ -37,6 +37,7 @@ from gateway.tokens.cost import KvGeometry
 from gateway.tokens.count_cache import CountCache
 from gateway.tokens.counting import TokenCounter
 from gateway.tokens.estimator import CostEstimator
+from gateway.tokens.media import MediaTokens
 from gateway.tokens.resolve import build_counter
 from gateway.tokens.tokenizers import HeuristicTokenizer
 from gateway.upstream.pool import EnginePool
@@ -93,6 +94,7 @@ class Gateway:
             max_model_len=lambda: config.model.max_model_len or self.pool.model.max_model_len,
             fast_path=config.tokenizer_fast_path,
             reserve_quantile=config.tokenizer_fast_path_quantile,
+            media=MediaTokens(prior=config.tokenizer_media_tokens),
         )
         self.draining = False
         self.arrivals = ArrivalPacer(config.listen.arrivals_per_tick)

@@ -171,7 +171,7 @@ class RequestPath:
         # 7. learn what the engine counted for this prompt (the estimate of the next ones); settle and release
         #    when the exchange closes, however the request ended
         if exchange.usage is not None and exchange.writer.status == 200:
-            self.costs.learn(request, exchange.usage.prompt_tokens)
+            self.costs.learn(request, cost, exchange.usage.prompt_tokens)
 
     async def passthrough(
         self, exchange: Exchange, target: str, scope: dict[str, Any], receive: Receive, watch: DisconnectWatch

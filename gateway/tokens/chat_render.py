@@ -67,6 +67,23 @@ def conversation(
     return out
 
 
+def media_items(messages: Sequence[Mapping[str, Any]]) -> int:
+    """How many images, audio clips and videos the messages carry (each one the model's processor expands)."""
+    return sum(
+        _is_media(part)
+        for message in messages
+        if isinstance(content := message.get("content"), list)
+        for part in content
+    )
+
+
+def _is_media(part: Any) -> bool:
+    if not isinstance(part, dict):
+        return False
+    kind = part.get("type")
+    return kind in _MEDIA_PARTS or (kind is None and any(key in part for key in _UNTYPED_MEDIA))
+
+
 def _message(message: Mapping[str, Any], content_format: ContentFormat) -> dict[str, Any]:
     role = message.get("role")
     content = message.get("content")

@@ -39,6 +39,7 @@ class RequestCost:
     # priced without the tokenizer: what the prompts may be at most (the learned band's high end), for what
     # must never fall short of the truth, such as a tenant's token charge; None when counted
     prompt_high: tuple[int, ...] | None = None
+    media_tokens: int = 0  # of the (one) prompt: the allowance for its images, audio and video, not counted
 
     @property
     def output_budgets(self) -> tuple[int, ...]:
@@ -87,6 +88,7 @@ class RequestCost:
             outputs,
             self.min_output,
             self.prompt_high,
+            self.media_tokens,
         )
 
 
@@ -117,13 +119,17 @@ def estimate_cost(
     min_tokens: int = 0,
     prompt_high: tuple[int, ...] | None = None,
     truncate_to: int | None = None,
+    media_tokens: int = 0,
 ) -> RequestCost:
     """Turn token counts into a block reservation, rejecting what the engine could never serve: a prompt
     longer than the context (vLLM's own 400), or a request larger than its whole pool. One larger than the
     watermark leaves room for is not refused: admission runs it alone (vLLM sizes its pool to hold at least
     one sequence of the whole context, and with ``--max-model-len -1`` the context to the pool).
     ``prompt_high``: the counts are an estimate, and these are the prompts at their most. ``truncate_to``:
-    the request's ``truncate_prompt_tokens``; the engine keeps that many of each prompt's tokens."""
+    the request's ``truncate_prompt_tokens``; the engine keeps that many of each prompt's tokens.
+    ``media_tokens``: what the (one) prompt's media items are expected to add to its count. An estimate of what
+    cannot be counted here, it reserves but never refuses: it is added after the context check, and only up
+    to what the context leaves."""
     generates = max_tokens != 0  # pooling and scoring requests produce no tokens and may fill the context
     if truncate_to is not None:
         limit = _truncation_limit(truncate_to, max_model_len, generates)
@@ -136,6 +142,14 @@ def estimate_cost(
             f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
             f"{longest} input tokens, which leaves no room for any output. Please reduce the length of the input."
         )
+    if media_tokens and len(prompt_tokens) == 1:
+        room = media_tokens if max_model_len is None else max_model_len - longest - (1 if generates else 0)
+        media_tokens = max(0, min(media_tokens, room))
+        longest += media_tokens
+        prompt_tokens = (longest,)
+        prompt_high = None if prompt_high is None else (prompt_high[0] + media_tokens,)
+    else:
+        media_tokens = 0
     if len(prompt_tokens) == 1:  # one prompt (every chat): the same sums, without generators
         output = output_budget(max_tokens, longest, max_model_len)
         outputs: tuple[int, ...] = (output,)
@@ -158,7 +172,14 @@ def estimate_cost(
     uniform = len(outputs) == 1 or all(o == output for o in outputs)
     floor = min(min_tokens, output)
     return RequestCost(
-        prompt_tokens, sequences_per_prompt, output, blocks, None if uniform else outputs, floor, prompt_high
+        prompt_tokens,
+        sequences_per_prompt,
+        output,
+        blocks,
+        None if uniform else outputs,
+        floor,
+        prompt_high,
+        media_tokens,
     )
 
 

@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 
 from gateway.protocol.errors import GatewayError
 from gateway.protocol.requests import InferenceRequest
+from gateway.tokens.chat_render import media_items
 from gateway.tokens.conversations import FRAMING_TOKENS, Conversation, ConversationCounts, conversation_of
 from gateway.tokens.cost import KvGeometry, RequestCost, estimate_cost
 from gateway.tokens.counting import TokenCounter
+from gateway.tokens.media import MediaTokens
 from gateway.tokens.prompt_estimate import EstimateErrors, PromptLengths, key_of, prompt_sizes
 
 MAX_ERROR_SHARE = 0.01  # of the pool's tokens: a prompt whose band is wider than this is counted exactly
@@ -67,6 +69,7 @@ class CostEstimator:
         max_error_share: float = MAX_ERROR_SHARE,
         lengths: PromptLengths | None = None,
         conversations: ConversationCounts | None = None,
+        media: MediaTokens | None = None,
     ) -> None:
         self.counter = counter
         self._geometry = geometry
@@ -76,6 +79,7 @@ class CostEstimator:
         self.max_error_share = max_error_share
         self.lengths = lengths if lengths is not None else PromptLengths()
         self.conversations = conversations if conversations is not None else ConversationCounts()
+        self.media = media if media is not None else MediaTokens()
         self.tally = PricingTally()
 
     async def estimate(self, request: InferenceRequest, *, exact: bool = False) -> RequestCost:
@@ -113,14 +117,29 @@ class CostEstimator:
             self.tally.by_tokenizer += 1
             if conversation is not None:
                 self.conversations.observe(conversation, prompt_tokens[0])
-        return self._price(request, prompt_tokens, geometry)
+        return self._price(request, prompt_tokens, geometry, media_tokens=self._media_allowance(request))
 
-    def learn(self, request: InferenceRequest, prompt_tokens: int) -> None:
-        """What the engine counted (``usage.prompt_tokens``) for a request it served. Only a request with one
-        text prompt teaches (every chat; a batch's usage sums its prompts, and token ids need no estimate). With
-        the heuristic counting, whose count is itself an estimate, nothing uses what would be learned."""
-        if self.counter.kind == "heuristic" or request.truncate_to is not None:
-            return  # (a truncated prompt's count says nothing of its size)
+    def _media_allowance(self, request: InferenceRequest) -> int:
+        """What a chat's images, audio and video add to the text counted locally (the engine's ``/tokenize``
+        counts them itself)."""
+        if request.messages is None or self.counter.kind == "vllm":
+            return 0
+        items = media_items(request.messages)
+        return items * self.media.per_item(request.model or "") if items else 0
+
+    def learn(self, request: InferenceRequest, cost: RequestCost, prompt_tokens: int) -> None:
+        """What the engine counted (``usage.prompt_tokens``) for a request it served, priced at ``cost``. Only a
+        request with one text prompt teaches tokens per byte (every chat; a batch's usage sums its prompts, and
+        token ids need no estimate); with the heuristic counting, whose count is itself an estimate, nothing
+        uses that. A chat with media counted here teaches what its items took beyond the text."""
+        if request.truncate_to is not None:
+            return  # a truncated prompt's count says nothing of its size
+        if request.messages is not None and self.counter.kind != "vllm" and (items := media_items(request.messages)):
+            text = cost.prompt_tokens[0] - cost.media_tokens
+            self.media.observe(request.model or "", (prompt_tokens - text) / items)
+            return
+        if self.counter.kind == "heuristic":
+            return
         sizes = prompt_sizes(request)
         if sizes is None or len(sizes) != 1 or prompt_tokens <= 0:
             return
@@ -191,6 +210,7 @@ class CostEstimator:
         prompt_tokens: tuple[int, ...],
         geometry: KvGeometry,
         prompt_high: tuple[int, ...] | None = None,
+        media_tokens: int = 0,
     ) -> RequestCost:
         return estimate_cost(
             prompt_tokens,
@@ -201,4 +221,5 @@ class CostEstimator:
             min_tokens=request.min_tokens,
             prompt_high=prompt_high,
             truncate_to=request.truncate_to,
+            media_tokens=media_tokens,
         )

@@ -19,6 +19,7 @@ from gateway.tokens.conversations import ConversationCounts
 from gateway.tokens.cost import KvGeometry, RequestCost
 from gateway.tokens.counting import TokenCounter
 from gateway.tokens.estimator import CostEstimator
+from gateway.tokens.media import MediaTokens
 from gateway.tokens.prompt_estimate import PromptLengths
 from gateway.tokens.tokenizers import HeuristicTokenizer, HFTokenizer, LocalTokenizer
 from tests.support.bpe import build_bpe_dir
@@ -55,6 +56,9 @@ class SpyCounter(TokenCounter):
     async def count(self, request: InferenceRequest) -> tuple[int, ...]:
         self.calls += 1
         return await super().count(request)
+
+
+TEXT_PRICE = RequestCost((0,), 1, 0, 0)  # what a text request was priced at: learning reads it only for media
 
 
 def estimator(
@@ -99,7 +103,7 @@ async def teach(costs: CostEstimator, local: LocalTokenizer, requests: int, seed
     exact = TokenCounter(local)
     for _ in range(requests):
         request = random_request(rng)
-        costs.learn(request, sum(await exact.count(request)))
+        costs.learn(request, TEXT_PRICE, sum(await exact.count(request)))
 
 
 async def priced(costs: CostEstimator, request: InferenceRequest) -> RequestCost | str:
@@ -185,29 +189,66 @@ async def test_switched_off_forced_or_heuristic_always_counts(hf: HFTokenizer) -
 async def test_token_ids_are_counted_and_teach_nothing(hf: HFTokenizer) -> None:
     costs = estimator(TokenCounter(hf), min_samples=1)
     request = parse_request("completions", orjson.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 5}))
-    costs.learn(request, 3)
+    costs.learn(request, TEXT_PRICE, 3)
     assert len(costs.lengths) == 0
     assert (await costs.estimate(request)).prompt_tokens == (3,)
     assert (costs.tally.by_token_ids, costs.tally.by_tokenizer, costs.tally.by_estimate) == (1, 0, 0)
 
 
-async def test_batches_and_images_teach_nothing(hf: HFTokenizer) -> None:
+async def test_batches_and_images_teach_no_tokens_per_byte(hf: HFTokenizer) -> None:
     costs = estimator(TokenCounter(hf), min_samples=1)
-    costs.learn(parse_request("completions", orjson.dumps({"prompt": ["a", "b"]})), 2)
+    costs.learn(parse_request("completions", orjson.dumps({"prompt": ["a", "b"]})), TEXT_PRICE, 2)
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
-    costs.learn(parse_request("chat", orjson.dumps({"messages": [{"role": "user", "content": [image]}]})), 600)
-    costs.learn(parse_request("completions", orjson.dumps({"prompt": "a"})), 0)
+    with_image = parse_request("chat", orjson.dumps({"messages": [{"role": "user", "content": [image]}]}))
+    costs.learn(with_image, await costs.estimate(with_image), 600)
+    costs.learn(parse_request("completions", orjson.dumps({"prompt": "a"})), TEXT_PRICE, 0)
     assert len(costs.lengths) == 0
+
+
+async def test_an_image_is_priced_at_what_the_engine_said_images_take(hf: HFTokenizer) -> None:
+    """A local tokenizer renders an image as the template's placeholder; the engine's processor expands it to
+    hundreds of tokens. Each image is priced at the prior, then at what served requests' usage showed (their
+    count less the text kvgate counted), per model; the engine's /tokenize counts images itself."""
+    context = {"len": 32_000}
+    costs = CostEstimator(
+        TokenCounter(hf),
+        geometry=lambda: KvGeometry(16, 10_000),
+        max_model_len=lambda: context["len"],
+        media=MediaTokens(prior=1000, min_samples=3, quantile=0.9),
+    )
+    image = {"type": "image_url", "image_url": {"url": "https://x/cat.png"}}
+    two = parse_request(
+        "chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": ["hi", image, image]}]})
+    )
+    text = (await TokenCounter(hf).count(two))[0]
+    first = await costs.estimate(two)
+    assert first.prompt_tokens == (text + 2000,) and first.media_tokens == 2000
+    for per_image in (500, 600, 700):  # the engine counted the text and this many per image
+        costs.learn(two, first, text + 2 * per_image)
+    learned = await costs.estimate(two)
+    assert learned.prompt_tokens == (text + 1400,) and learned.media_tokens == 1400
+    costs.learn(two, learned, text + 2 * 400)  # priced with the learned allowance: still the text taken out
+    assert costs.media.per_item("m") == 700
+    near = parse_request(
+        "chat", orjson.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [image]}]})
+    )
+    context["len"] = 100
+    capped = await costs.estimate(near)  # an allowance never refuses: it is cut to what the context leaves
+    near_text = (await TokenCounter(hf).count(near))[0]
+    assert capped.prompt_tokens == (99,) and capped.max_output == 1 and capped.media_tokens == 99 - near_text
+    async with aiohttp.ClientSession() as session:
+        remote = estimator(TokenCounter(None, session=session, upstream="http://127.0.0.1:9"))
+        assert remote._media_allowance(two) == 0
 
 
 async def test_learn_measures_the_estimate_once_learned(hf: HFTokenizer) -> None:
     costs = estimator(TokenCounter(hf), min_samples=10)
     request = parse_request("completions", orjson.dumps({"model": "m", "prompt": "x" * 392}))  # 400 bytes
     for _ in range(10):
-        costs.learn(request, 100)  # nothing measured while the prior answers
+        costs.learn(request, TEXT_PRICE, 100)  # nothing measured while the prior answers
     assert costs.tally.errors.count == 0
-    costs.learn(request, 100)
-    costs.learn(request, 300)  # three times what was learned: past the band's high end
+    costs.learn(request, TEXT_PRICE, 100)
+    costs.learn(request, TEXT_PRICE, 300)  # three times what was learned: past the band's high end
     errors = costs.tally.errors
     assert errors.count == 2 and errors.above_high == 1 and dict(errors.cumulative())[1.0] == 1
 
@@ -285,7 +326,7 @@ async def converse(costs: CostEstimator, hf: HFTokenizer, seed: int) -> tuple[in
         assert (cost.prompt_high or cost.prompt_tokens)[0] >= truth
         by_conversation += costs.tally.by_conversation - before[0]
         counted += costs.tally.by_tokenizer - before[1]
-        costs.learn(request, truth)
+        costs.learn(request, TEXT_PRICE, truth)
         messages += [
             {"role": "assistant", "content": text(rng, rng.randint(10, 60))},
             {"role": "user", "content": text(rng, rng.randint(1, 20))},
@@ -335,7 +376,7 @@ async def test_a_dense_new_turn_is_no_draw_from_the_learned_band(hf: HFTokenizer
     exact = TokenCounter(hf)
     messages = [{"role": "user", "content": text(rng, 2150)}]  # ~2,400 tokens
     first = chat(messages, max_tokens=10)
-    costs.learn(first, (await exact.count(first))[0])
+    costs.learn(first, TEXT_PRICE, (await exact.count(first))[0])
     dense = "".join(rng.choices("#$%&*+/<=>@^_`|~", k=900))
     later = chat([*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": dense}], 10)
     truth = (await exact.count(later))[0]
