@@ -149,7 +149,7 @@ async def run(
             tally.prompt_exact += sum(by_count.prompt_tokens)
             tally.charged_short += by_fast.charge_tokens < by_count.total_tokens
             tally.ratios.append(sum(by_fast.prompt_tokens) / max(1, sum(by_count.prompt_tokens)))
-        fast.learn(request, sum(by_count.prompt_tokens))  # the engine's usage.prompt_tokens, after the answer
+        fast.learn(request, by_fast, sum(by_count.prompt_tokens))  # the engine's usage.prompt_tokens, after the answer
     return tally, fast
 
 

@@ -13,10 +13,10 @@ the engine may hold if we admit this request:
   this replica has reserved if that is more (a replica that lost Redis, or claims a restarted Redis forgot,
   still show there); while the shared books cannot say, ``B`` is no bound and ``A`` decides.
 
-A request fits when the gate is open and ``min(A, B) <= high x total``, or, if it alone is more than that (a
-long output budget on a pool of about one context), when nothing else of the gateway's is on the engine and it
-fits the whole pool. With stale metrics the ``ledger`` policy admits against ``B`` alone under a lower cap;
-``hold`` admits nothing.
+A request fits when the gate is open and ``min(A, B) <= high x total``, or, if its reservation alone is more
+than that (a whole output budget on a pool of about one context, while no output estimate is learned), when
+nothing else of the gateway's is on the engine and it fits the whole pool. With stale metrics the ``ledger``
+policy admits against ``B`` alone under a lower cap; ``hold`` admits nothing.
 
 An engine of a pool that refuses connections, or whose scrapes keep failing, is *ejected*: nothing is placed
 on it for a backoff that doubles with each ejection in a row (1 s up to 60 s), and it rejoins with its first
@@ -239,8 +239,8 @@ class EngineBook:
 
     def _alone(self) -> bool:
         """Nothing of the gateway's (this replica's or, as far as the shared books say, the others') is here.
-        A request larger than the watermark leaves room for (one whose output budget is most of a pool that
-        holds one context, as vLLM's ``--max-model-len -1`` sizes it) runs then, alone: vLLM itself checked
+        A reservation larger than the watermark leaves room for (a whole output budget that is most of a pool
+        holding one context, as vLLM's ``--max-model-len -1`` sizes it) runs then, alone: vLLM itself checked
         at startup that one sequence of the whole context fits its pool, and it would serve it."""
         return len(self.ledger) == 0 and self.others_blocks == 0
 

@@ -17,9 +17,18 @@ import json
 from typing import Any
 
 from gateway.protocol.errors import bad_request
+from gateway.protocol.requests import check_content_parts
 
 Message = dict[str, Any]
 
+NAMESPACE_SEPARATOR = "__"  # a namespace's function is shown to the model as <namespace>__<name>
+# the function a Responses custom tool is shown as: one free-form string
+_SHIM = {
+    "type": "object",
+    "properties": {"input": {"type": "string", "description": "The freeform text payload for this tool."}},
+    "required": ["input"],
+    "additionalProperties": False,
+}
 # Claude Code's attribution line: vLLM drops it from system text (its per-request hash defeats prefix caching).
 _BILLING_HEADER = "x-anthropic-billing-header"
 
@@ -49,19 +58,27 @@ def responses_messages(body: dict[str, Any]) -> list[Message]:
 
 
 def responses_tools(body: dict[str, Any]) -> list[Any] | None:
-    """Function tools as vLLM's ``construct_tool_dicts`` gives them to the template (a flat Responses tool in a
-    chat tool's ``function``); built-in tools (web search, ...) are not rendered."""
+    """The tools the template is shown, as vLLM's ``get_function_tools`` and ``construct_tool_dicts`` give
+    them: a function tool in a chat tool's ``function``, a namespace's functions as ``<namespace>__<name>``, a
+    custom tool as a function of one string; built-in tools (web search, ...) are not rendered."""
     tools = body.get("tools")
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise bad_request("'tools' must be an array of objects.", param="tools")
-    functions = [
-        {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
-        for tool in tools
-        if tool.get("type") == "function"
-    ]
-    return functions or None
+    functions: list[dict[str, Any]] = []
+    for tool in tools:
+        if tool.get("type") == "function":
+            functions.append({k: v for k, v in tool.items() if k != "type"})
+        elif tool.get("type") == "custom":
+            functions.append({"name": tool.get("name"), "description": tool.get("description"), "parameters": _SHIM})
+        elif tool.get("type") == "namespace" and isinstance(tool.get("tools"), list):
+            prefix = f"{tool.get('name')}{NAMESPACE_SEPARATOR}"
+            for inner in tool["tools"]:
+                if isinstance(inner, dict) and inner.get("type") == "function":
+                    name = prefix + str(inner.get("name"))
+                    functions.append({k: v for k, v in inner.items() if k != "type"} | {"name": name})
+    return [{"type": "function", "function": function} for function in functions] or None
 
 
 def _from_item(item: dict[str, Any], previous: Message | None, where: str) -> Message | None:
@@ -70,12 +87,15 @@ def _from_item(item: dict[str, Any], previous: Message | None, where: str) -> Me
     assistant = previous if previous is not None and previous.get("role") == "assistant" else None
     kind = item.get("type")
     if kind in ("function_call", "custom_tool_call"):
-        arguments = item.get("arguments") if kind == "function_call" else item.get("input")
-        call = {
-            "id": item.get("call_id"),
-            "type": "function",
-            "function": {"name": item.get("name"), "arguments": arguments if isinstance(arguments, str) else ""},
-        }
+        if kind == "function_call":
+            arguments = item.get("arguments")
+            arguments = arguments if isinstance(arguments, str) else ""
+        else:  # a custom tool is shown as a function of one string, its input (vLLM's shim)
+            arguments = json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
+        name = item.get("name")
+        if item.get("namespace"):
+            name = f"{item['namespace']}{NAMESPACE_SEPARATOR}{name}"
+        call = {"id": item.get("call_id"), "type": "function", "function": {"name": name, "arguments": arguments}}
         if assistant is not None and isinstance(assistant.setdefault("tool_calls", []), list):
             assistant["tool_calls"].append(call)
             return None
@@ -88,7 +108,12 @@ def _from_item(item: dict[str, Any], previous: Message | None, where: str) -> Me
             return None
         return {"role": "assistant", "reasoning": reasoning}
     if kind in ("function_call_output", "custom_tool_call_output"):
-        return {"role": "tool", "content": item.get("output"), "tool_call_id": item.get("call_id")}
+        output = item.get("output")
+        if isinstance(output, list):
+            check_content_parts(output, f"{where}.output")
+        elif output is not None and not isinstance(output, str):
+            raise bad_request(f"{where}.output must be a string or an array of parts.", param=f"{where}.output")
+        return {"role": "tool", "content": output, "tool_call_id": item.get("call_id")}
     role = item.get("role")
     if role == "assistant":
         content = item.get("content")
@@ -99,7 +124,9 @@ def _from_item(item: dict[str, Any], previous: Message | None, where: str) -> Me
         return {"role": "assistant", "content": text}
     if isinstance(role, str):
         content = item.get("content")
-        if content is not None and not isinstance(content, str | list):
+        if isinstance(content, list):
+            check_content_parts(content, f"{where}.content")
+        elif content is not None and not isinstance(content, str):
             raise bad_request(f"{where}.content must be a string or an array of parts.", param=f"{where}.content")
         return item  # parts as sent: text parts are text, images are images (vLLM's chat parsing reads both)
     raise bad_request(f"Unsupported input item type: {kind}", param="input")
@@ -118,7 +145,8 @@ def anthropic_messages(body: dict[str, Any]) -> list[Message]:
     messages: list[Message] = []
     system = body.get("system")
     if system:
-        text = _system_text(system, "system")
+        # a string as sent (the template's parser drops a billing-header line); blocks without header blocks
+        text = system if isinstance(system, str) else _system_text(system, "system")
         if text:
             messages.append({"role": "system", "content": text})
     listed = body.get("messages")

@@ -133,7 +133,7 @@ def _score(body: dict[str, Any]) -> InferenceRequest:
     if len(firsts) != len(seconds):
         raise bad_request("The two sides of a score request must pair up (one to many, or as many each).")
     prompts: list[Prompt] = [a + "\n" + b for a, b in zip(firsts, seconds, strict=True)]
-    return InferenceRequest("completions", _model(body), 1, 0, None, prompts, None)
+    return InferenceRequest("completions", _model(body), 1, 0, None, prompts, None, truncate_to=truncation(body))
 
 
 def _as_texts(value: Any, param: str) -> list[str]:

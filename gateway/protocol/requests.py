@@ -133,7 +133,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if content is not None and not isinstance(content, str | list):
             raise bad_request(f"messages[{i}].content must be a string or an array.", param=f"messages[{i}]")
         if isinstance(content, list):
-            _content_parts(content, f"messages[{i}].content")
+            check_content_parts(content, f"messages[{i}].content")
         if message.get("name") is not None and not isinstance(message["name"], str):
             raise bad_request(f"messages[{i}].name must be a string.", param=f"messages[{i}].name")
         tool_calls = message.get("tool_calls")
@@ -146,7 +146,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 
 
-def _content_parts(parts: list[Any], where: str) -> None:
+def check_content_parts(parts: list[Any], where: str) -> None:
     """Each part is an object with a string ``type`` (a text part with a string ``text``), or a bare string,
     which vLLM accepts as a text part. Other part types (images, audio) are the engine's to check."""
     for j, part in enumerate(parts):

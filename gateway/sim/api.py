@@ -79,8 +79,8 @@ def plan_request(
     count_text: Callable[[str], int],
     count_messages: Callable[[list[dict[str, Any]]], int],
 ) -> Plan:
-    """Validate like vLLM: unknown model is 404, a prompt that leaves no room for output is 400, and
-    ``max_tokens`` past the context is clamped to what is left of it."""
+    """Validate like vLLM: unknown model is 404, a prompt that leaves no room for output is 400, a
+    ``max_tokens`` larger than the context is 400, and one past it with the prompt is clamped to what is left."""
     model = body.get("model", served_model)
     if model != served_model:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
@@ -119,7 +119,15 @@ def plan_request(
     else:
         if not isinstance(raw_max, int) or isinstance(raw_max, bool) or raw_max < 1:
             raise ApiError(400, "max_tokens must be at least 1", "BadRequestError", "max_tokens")
-        # vLLM's get_max_tokens: a cap past the context is clamped to what is left of it, not refused
+        if raw_max > max_model_len:  # vLLM's TokenizeParams: refused before the prompt is looked at
+            raise ApiError(
+                400,
+                f"max_tokens={raw_max} cannot be greater than max_model_len={max_model_len}. "
+                "Please request fewer output tokens.",
+                "BadRequestError",
+                "max_tokens",
+            )
+        # vLLM's get_max_tokens: a cap past the context with the prompt is clamped to what is left, not refused
         max_tokens = min(raw_max, max_model_len - prompt_len)
     min_tokens = _int_field(body, "min_tokens", minimum=0) or 0
     if min_tokens > max_tokens:

@@ -4,9 +4,11 @@
 vLLM does not give the template the request's messages as sent:
 
 * content becomes a list of parts (``None`` is no parts, a string one text part), then, by the template's
-  *content format*: ``string`` joins the text parts with newlines (media parts add nothing here: the model's
-  processor places them); ``openai`` keeps them as ``{"type": "text", "text"}`` and ``{"type": "image"}``
-  (audio, video) dicts. The format is read off the template: does it loop over a message's content?
+  *content format*: ``string`` joins the text parts with newlines (a media item's placeholder, which the
+  model's processor defines, is left out: a few tokens per item that its learned allowance,
+  :mod:`gateway.tokens.media`, takes in); ``openai`` keeps them as ``{"type": "text", "text"}`` and
+  ``{"type": "image"}`` (audio, video) dicts. The format is read off the template: does it loop over a
+  message's content?
 * an assistant's tool call ``arguments`` (a JSON string in the API) becomes an object (``{}`` when it is empty
   or not a JSON object), and an empty ``tool_calls`` list is dropped;
 * a tool message's text parts are joined into one string;
@@ -51,7 +53,17 @@ _KNOWN_PART_FIELDS = frozenset(
     {"type", "text", "refusal", "thinking", "image_url", "input_audio", "audio_url", "video_url", "image_pil"}
     | {"image_embeds", "audio_embeds", "video_embeds", "uuid", "detail", "file", "file_id", "name", "data"}
 )
-_UNTYPED_MEDIA = ("image_url", "image_pil", "image_embeds", "audio_embeds")
+# a part without a type is read by the first of these keys it has (vLLM's order)
+_UNTYPED_MEDIA = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "video_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+)
 _BILLING_HEADER = "x-anthropic-billing-header"
 
 
@@ -81,7 +93,9 @@ def _is_media(part: Any) -> bool:
     if not isinstance(part, dict):
         return False
     kind = part.get("type")
-    return kind in _MEDIA_PARTS or (kind is None and any(key in part for key in _UNTYPED_MEDIA))
+    if kind is None:
+        return any(key in part for key in _UNTYPED_MEDIA)
+    return isinstance(kind, str) and kind in _MEDIA_PARTS
 
 
 def _message(message: Mapping[str, Any], content_format: ContentFormat) -> dict[str, Any]:
@@ -124,6 +138,8 @@ def _content(parts: list[Any], content_format: ContentFormat) -> str | list[dict
         kind = part.get("type")
         if kind is None:  # no type, but a media field: vLLM reads the part by it
             kind = next((key for key in _UNTYPED_MEDIA if key in part), None)
+        if not isinstance(kind, str):
+            continue  # vLLM refuses it (400); it renders as nothing here
         if kind in _TEXT_PARTS:
             text = part.get(_TEXT_PARTS[kind])
             if text is None:

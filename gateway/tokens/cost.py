@@ -4,7 +4,8 @@ vLLM allocates KV memory in fixed-size blocks of ``block_size`` tokens per seque
 ``ceil((prompt + output) / block_size)`` blocks; ``n`` sequences each hold their own. Each
 prompt's output budget is vLLM's own (``get_max_tokens``): the request's ``max_tokens`` (or the route's default,
 16 for completions, none for chat), never more than ``max_model_len`` minus that prompt. A request whose
-``max_tokens`` runs past the context is clamped by vLLM, not refused, so it is clamped here too.
+``max_tokens`` runs past the context with its prompt is clamped by vLLM, not refused, so it is clamped here too;
+a ``max_tokens`` larger than the context itself is vLLM's 400, and kvgate's.
 
 This module is pure arithmetic: token *counting* happens in :mod:`gateway.tokens.tokenizers`.
 """
@@ -131,6 +132,13 @@ def estimate_cost(
     cannot be counted here, it reserves but never refuses: it is added after the context check, and only up
     to what the context leaves."""
     generates = max_tokens != 0  # pooling and scoring requests produce no tokens and may fill the context
+    if max_tokens is not None and max_model_len is not None and max_tokens > max_model_len:
+        # vLLM's TokenizeParams refuses it before the prompt is looked at; only a cap inside the context is clamped
+        raise bad_request(
+            f"max_tokens={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            param="max_tokens",
+        )
     if truncate_to is not None:
         limit = _truncation_limit(truncate_to, max_model_len, generates)
         if limit is not None:

@@ -93,6 +93,7 @@ def test_streams_are_relayed_chunk_by_chunk(mini_vllm: Callable[..., str], gatew
         (b'{"prompt": 12}', 400, None),
         (b'{"prompt": [' + b",".join([b"1"] * 4100) + b'], "max_tokens": 5}', 400, "context_length_exceeded"),
         (b'{"prompt": "x", "max_tokens": 4000, "n": 2}', 400, "kv_cache_capacity_exceeded"),  # twice the pool
+        (b'{"prompt": "x", "max_tokens": 5000}', 400, None),  # larger than the context: vLLM's 400 too
         (b'{"prompt": "x", "max_tokens": 5, "model": "other"}', 404, None),
     ],
 )
@@ -119,7 +120,7 @@ def test_a_chat_without_max_tokens_is_served_on_a_pool_of_one_context(
     for _ in range(2):
         chat = client.chat.completions.create(model="mini", messages=msgs)  # type: ignore[arg-type]
         assert chat.usage is not None and chat.usage.total_tokens == 4096  # the whole context
-        comp = client.completions.create(model="mini", prompt="x", max_tokens=5000)  # clamped to the context
+        comp = client.completions.create(model="mini", prompt="x", max_tokens=4096)  # clamped to the context
         assert comp.usage is not None and comp.usage.total_tokens == 4096
     m = assert_ledger_empty(gw)
     assert m["kvgate_requests_admitted_total"] == 4

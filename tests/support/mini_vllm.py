@@ -89,8 +89,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
         prompt = min(prompt, st.max_model_len - 1 if truncate == -1 else truncate)
     if prompt >= st.max_model_len:
         return _error(400, f"This model's maximum context length is {st.max_model_len} tokens.", "BadRequestError")
-    # vLLM's get_max_tokens: a max_tokens past the context is clamped to what is left of it, not refused
+    # vLLM refuses a max_tokens larger than the context; one that only runs past it with the prompt is clamped
     asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    if asked is not None and asked > st.max_model_len:
+        return _error(
+            400, f"max_tokens={asked} cannot be greater than max_model_len={st.max_model_len}.", "BadRequestError"
+        )
     max_tokens = st.max_model_len - prompt if asked is None else min(asked, st.max_model_len - prompt)
     stream = bool(body.get("stream"))
     if st.busy_after is not None and len(st.active) >= st.busy_after:

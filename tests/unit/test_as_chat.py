@@ -175,3 +175,56 @@ def test_responses_truncation_is_vllms_truncate_to_the_context() -> None:
 
     assert truncate_to() is None and truncate_to(truncation="disabled") is None
     assert truncate_to(truncation="auto") == -1 and truncate_to(truncation=None) == -1  # vLLM: not "disabled"
+
+
+def test_responses_custom_and_namespaced_tools_are_shown_as_vllm_shows_them() -> None:
+    """A custom tool is a function of one string (its calls' input wrapped as ``{"input": ...}``, so a patch an
+    agent sent is counted, not parsed away to ``{}``); a namespace's functions are ``<namespace>__<name>``."""
+    body = {
+        "tools": [
+            {"type": "custom", "name": "apply_patch", "description": "patches"},
+            {"type": "namespace", "name": "fs", "tools": [{"type": "function", "name": "read", "parameters": {}}]},
+            {"type": "web_search"},
+        ],
+        "input": [
+            {"role": "user", "content": "fix it"},
+            {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch ü"},
+            {"type": "function_call", "call_id": "c2", "namespace": "fs", "name": "read", "arguments": "{}"},
+            {"type": "custom_tool_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "ok"}]},
+        ],
+    }
+    messages, tools = parsed("responses", body)
+    calls = messages[1]["tool_calls"]
+    assert calls[0]["function"] == {"name": "apply_patch", "arguments": '{"input": "*** Begin Patch ü"}'}
+    assert calls[1]["function"]["name"] == "fs__read"
+    assert messages[2] == {"role": "tool", "content": [{"type": "input_text", "text": "ok"}], "tool_call_id": "c1"}
+    assert tools is not None and [t["function"]["name"] for t in tools] == ["apply_patch", "fs__read"]
+    assert tools[0]["function"]["parameters"]["required"] == ["input"]
+
+
+def test_a_top_level_system_string_is_kept_as_sent() -> None:
+    """vLLM keeps a string ``system`` whole (its chat parser drops only a leading billing-header line); only
+    header *blocks* are dropped here."""
+    header = "x-anthropic-billing-header: cc_version=2; cch=1f\nBe brief."
+    messages, _ = parsed("messages", {"system": header, "messages": [{"role": "user", "content": "hi"}]})
+    assert messages[0] == {"role": "system", "content": header}
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"role": "user", "content": [{"type": ["x"], "text": "hi"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": 3}]},
+        {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_text"}]},
+        {"type": "function_call_output", "call_id": "c", "output": 3},
+    ],
+)
+def test_malformed_responses_parts_are_a_400_not_a_crash(item: dict[str, Any]) -> None:
+    with pytest.raises(GatewayError) as err:
+        parse_body("responses", orjson.dumps({"input": [item]}))
+    assert err.value.status == 400 and err.value.param is not None and err.value.param.startswith("input[0]")
+
+
+def test_scoring_truncates_as_asked() -> None:
+    body = {"query": "q", "documents": ["a", "b"], "truncate_prompt_tokens": 10}
+    assert parse_body("score", orjson.dumps(body)).truncate_to == 10

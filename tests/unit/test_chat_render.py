@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.tokens.chat_render import content_format, conversation
+from gateway.tokens.chat_render import content_format, conversation, media_items
 from gateway.tokens.tokenizers import load_tokenizer
 from tests.support.bpe import build_bpe_dir
 
@@ -106,3 +106,17 @@ def test_a_tool_call_turn_without_content_renders_instead_of_a_400(tmp_path: Pat
     tools (what the OpenAI SDK sends back): kvgate answered 400, vLLM serves it."""
     tok = load_tokenizer(f"hf:{build_bpe_dir(tmp_path, ['what is this? a cat'] * 20, 300, LOOPS_OVER_CONTENT)}")
     assert tok.render_chat(TOOL_TURNS) == "Be brief.What is this?A cat."
+
+
+def test_media_parts_are_counted_typed_or_not() -> None:
+    parts = [
+        IMAGE,
+        {"type": "input_image", "image_url": "https://x/a.png"},
+        {"audio_url": {"url": "https://x/a.wav"}},
+        {"input_audio": {"data": "", "format": "wav"}},
+        {"video_url": {"url": "https://x/a.mp4"}},
+        {"type": "text", "text": "and"},
+        {"type": ["not", "a", "type"]},
+        "a string",
+    ]
+    assert media_items([{"role": "user", "content": parts}, {"role": "user", "content": "x"}]) == 5

@@ -80,10 +80,10 @@ def text(rng: random.Random, words: int) -> str:
 
 
 def random_request(rng: random.Random, *, batches: bool = False) -> InferenceRequest:
-    """Prompts from a few tokens to twice the context; max_tokens absent or up to 500; n up to 3."""
+    """Prompts from a few tokens to twice the context; max_tokens absent or up to the context; n up to 3."""
     body: dict[str, Any] = {"model": "m", "n": rng.randint(1, 3)}
     if rng.random() < 0.7:
-        body["max_tokens"] = rng.randint(1, 500)
+        body["max_tokens"] = rng.randint(1, MAX_MODEL_LEN)
     words = int(rng.choice([rng.uniform(1, 40), rng.uniform(40, 400)]))
     if rng.random() < 0.5:
         turns = rng.randint(1, 4)
