@@ -349,8 +349,8 @@ class GatewayConfig(_Model):
         ge=0,
         description="Tokens one image, audio clip or video of a chat is priced at, with a local tokenizer (which "
         "renders it as the template's placeholder; the model's processor expands it), until the model's served "
-        "requests have shown what theirs take (their usage less the counted text: the 0.9 quantile of the last "
-        "256). The engine's /tokenize (tokenizer: vllm) counts media itself.",
+        "requests of that modality have shown what theirs take (their usage less the counted text: the 0.9 "
+        "quantile of the last 256). The engine's /tokenize (tokenizer: vllm) counts media itself.",
     )
     model: ModelConfig = ModelConfig()
     admission: AdmissionConfig = AdmissionConfig()

@@ -79,23 +79,27 @@ def conversation(
     return out
 
 
-def media_items(messages: Sequence[Mapping[str, Any]]) -> int:
-    """How many images, audio clips and videos the messages carry (each one the model's processor expands)."""
-    return sum(
-        _is_media(part)
-        for message in messages
-        if isinstance(content := message.get("content"), list)
-        for part in content
-    )
+def media_items(messages: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """How many images, audio clips and videos the messages carry, by modality (each item is expanded by the
+    model's processor)."""
+    counts: dict[str, int] = {}
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                modality = _modality(part)
+                if modality is not None:
+                    counts[modality] = counts.get(modality, 0) + 1
+    return counts
 
 
-def _is_media(part: Any) -> bool:
+def _modality(part: Any) -> str | None:
     if not isinstance(part, dict):
-        return False
+        return None
     kind = part.get("type")
     if kind is None:
-        return any(key in part for key in _UNTYPED_MEDIA)
-    return isinstance(kind, str) and kind in _MEDIA_PARTS
+        kind = next((key for key in _UNTYPED_MEDIA if key in part), None)
+    return _MEDIA_PARTS.get(kind) if isinstance(kind, str) else None
 
 
 def _message(message: Mapping[str, Any], content_format: ContentFormat) -> dict[str, Any]:

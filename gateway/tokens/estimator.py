@@ -124,8 +124,8 @@ class CostEstimator:
         counts them itself)."""
         if request.messages is None or self.counter.kind == "vllm":
             return 0
-        items = media_items(request.messages)
-        return items * self.media.per_item(request.model or "") if items else 0
+        model = request.model or ""
+        return sum(n * self.media.per_item((model, modality)) for modality, n in media_items(request.messages).items())
 
     def learn(self, request: InferenceRequest, cost: RequestCost, prompt_tokens: int) -> None:
         """What the engine counted (``usage.prompt_tokens``) for a request it served, priced at ``cost``. Only a
@@ -135,8 +135,10 @@ class CostEstimator:
         if request.truncate_to is not None:
             return  # a truncated prompt's count says nothing of its size
         if request.messages is not None and self.counter.kind != "vllm" and (items := media_items(request.messages)):
-            text = cost.prompt_tokens[0] - cost.media_tokens
-            self.media.observe(request.model or "", (prompt_tokens - text) / items)
+            if len(items) == 1:  # with two modalities, which took what cannot be told apart
+                ((modality, n),) = items.items()
+                text = cost.prompt_tokens[0] - cost.media_tokens
+                self.media.observe((request.model or "", modality), (prompt_tokens - text) / n)
             return
         if self.counter.kind == "heuristic":
             return

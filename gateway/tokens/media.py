@@ -4,9 +4,10 @@ A local tokenizer renders a chat's text exactly, but an image is a template plac
 processor expands it to hundreds or thousands of tokens (576 for LLaVA-1.5, 256 for Gemma 3, one per 28x28
 patch for Qwen2-VL), by the model and the image's size, which kvgate cannot compute without the model's
 processor. So each media item is priced at what the engine said such items cost: from a served request's
-``usage.prompt_tokens``, less the text kvgate counted, over its media items. A quantile of the recent ones
-(above most; a large image is rarer than a typical one), and the configured prior until a model has
-``min_samples``. The engine's ``/tokenize`` (the ``vllm`` tokenizer) counts media itself: no allowance there.
+``usage.prompt_tokens``, less the text kvgate counted, over its media items, per model and modality (a video
+is many images' worth): a quantile of the recent ones (above most; a large image is rarer than a typical one),
+and the configured prior until a key has ``min_samples``. Only a request with one modality teaches. The
+engine's ``/tokenize`` (the ``vllm`` tokenizer) counts media itself: no allowance there.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import bisect
 import math
 from collections import OrderedDict, deque
 
+Key = tuple[str, str]  # (model, modality: image, audio or video)
+
 
 class MediaTokens:
-    """Per model: the tokens one media item of its chats took, over the last ``window`` requests."""
+    """Per model and modality: the tokens one media item took, over the last ``window`` requests."""
 
     def __init__(
         self, prior: int = 1024, *, window: int = 256, min_samples: int = 8, quantile: float = 0.9, max_keys: int = 64
@@ -29,28 +32,28 @@ class MediaTokens:
         self.min_samples = min_samples
         self.quantile = quantile
         self.max_keys = max_keys
-        self._seen: OrderedDict[str, tuple[deque[float], list[float]]] = OrderedDict()
+        self._seen: OrderedDict[Key, tuple[deque[float], list[float]]] = OrderedDict()
 
-    def observe(self, model: str, per_item: float) -> None:
+    def observe(self, key: Key, per_item: float) -> None:
         """A served request's media items took ``per_item`` tokens each (in the mean)."""
         if per_item < 0 or not math.isfinite(per_item):
             return  # the text was over-counted (the heuristic): this says nothing of the media
-        entry = self._seen.get(model)
+        entry = self._seen.get(key)
         if entry is None:
-            entry = self._seen[model] = (deque(), [])
+            entry = self._seen[key] = (deque(), [])
             if len(self._seen) > self.max_keys:
                 self._seen.popitem(last=False)
         else:
-            self._seen.move_to_end(model)
+            self._seen.move_to_end(key)
         recent, ordered = entry
         if len(recent) == self.window:
             ordered.pop(bisect.bisect_left(ordered, recent.popleft()))
         recent.append(per_item)
         bisect.insort(ordered, per_item)
 
-    def per_item(self, model: str) -> int:
-        """What one media item of ``model``'s chats is priced at."""
-        entry = self._seen.get(model)
+    def per_item(self, key: Key) -> int:
+        """What one item of this model and modality is priced at."""
+        entry = self._seen.get(key)
         if entry is None or len(entry[1]) < self.min_samples:
             return self.prior
         ordered = entry[1]

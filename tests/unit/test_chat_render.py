@@ -119,4 +119,5 @@ def test_media_parts_are_counted_typed_or_not() -> None:
         {"type": ["not", "a", "type"]},
         "a string",
     ]
-    assert media_items([{"role": "user", "content": parts}, {"role": "user", "content": "x"}]) == 5
+    counted = media_items([{"role": "user", "content": parts}, {"role": "user", "content": "x"}])
+    assert counted == {"image": 2, "audio": 2, "video": 1}

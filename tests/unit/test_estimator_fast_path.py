@@ -228,7 +228,14 @@ async def test_an_image_is_priced_at_what_the_engine_said_images_take(hf: HFToke
     learned = await costs.estimate(two)
     assert learned.prompt_tokens == (text + 1400,) and learned.media_tokens == 1400
     costs.learn(two, learned, text + 2 * 400)  # priced with the learned allowance: still the text taken out
-    assert costs.media.per_item("m") == 700
+    assert costs.media.per_item(("m", "image")) == 700
+    video = {"type": "video_url", "video_url": {"url": "https://x/cat.mp4"}}
+    body = {"model": "m", "messages": [{"role": "user", "content": [image, video]}]}
+    both = parse_request("chat", orjson.dumps(body))
+    mixed = await costs.estimate(both)
+    assert mixed.media_tokens == 700 + 1000  # the video at the prior: it is not an image
+    costs.learn(both, mixed, 5000)  # two modalities: which took what cannot be told, nothing is learned
+    assert costs.media.per_item(("m", "video")) == 1000 and costs.media.per_item(("m", "image")) == 700
     near = parse_request(
         "chat", orjson.dumps({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [image]}]})
     )

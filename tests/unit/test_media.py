@@ -14,17 +14,17 @@ from gateway.tokens.media import MediaTokens
 def test_the_allowance_is_the_quantile_of_the_recent_window(observed: list[float], quantile: float) -> None:
     media = MediaTokens(prior=777, window=16, min_samples=4, quantile=quantile)
     for value in observed:
-        media.observe("m", value)
+        media.observe(("m", "image"), value)
     recent = sorted([v for v in observed if v >= 0][-16:])
     if len(recent) < 4:
-        assert media.per_item("m") == 777  # the prior, until there are enough
+        assert media.per_item(("m", "image")) == 777  # the prior, until there are enough
     else:
-        assert media.per_item("m") == math.ceil(recent[math.ceil(quantile * len(recent)) - 1])
-    assert media.per_item("other") == 777
+        assert media.per_item(("m", "image")) == math.ceil(recent[math.ceil(quantile * len(recent)) - 1])
+    assert media.per_item(("m", "video")) == media.per_item(("other", "image")) == 777
 
 
 def test_models_are_bounded_least_recently_observed_first() -> None:
     media = MediaTokens(prior=1, min_samples=1, max_keys=2)
     for model in ("a", "b", "a", "c"):
-        media.observe(model, 100)
-    assert (media.per_item("a"), media.per_item("b"), media.per_item("c")) == (100, 1, 100)
+        media.observe((model, "image"), 100)
+    assert [media.per_item((m, "image")) for m in ("a", "b", "c")] == [100, 1, 100]
