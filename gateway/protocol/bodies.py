@@ -113,10 +113,7 @@ def _prompts(value: Any, param: str) -> list[Prompt]:
 def _pooling(body: dict[str, Any]) -> InferenceRequest:
     """Embeddings, pooling, classification: prompts in, vectors or labels out, no output tokens."""
     if "messages" in body and "input" not in body:
-        request = parse_request("chat", orjson.dumps(body))
-        return InferenceRequest(
-            "chat", request.model, 1, 0, request.messages, [], request.tools, truncate_to=request.truncate_to
-        )
+        return replace(parse_request("chat", orjson.dumps(body)), sequences_per_prompt=1, max_tokens=0, min_tokens=0)
     prompts = _prompts(body.get("input"), "input")
     return InferenceRequest("completions", _model(body), 1, 0, None, prompts, None, truncate_to=truncation(body))
 
