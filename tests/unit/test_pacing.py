@@ -134,3 +134,21 @@ def test_a_waiter_cancelled_after_its_turn_came_does_not_block_the_rest() -> Non
         return arrivals.order
 
     assert asyncio.run(run()) == [0, 2]
+
+
+def test_arrivals_one_per_iteration_never_wait_and_schedule_no_callback_until_the_allowance_is_spent() -> None:
+    """At concurrency 1 every request arrives in an iteration of its own: none is deferred, and the pacer wakes
+    the loop once per ``per_tick`` arrivals, not once per arrival."""
+
+    async def run() -> tuple[list[bool], int]:
+        pacer = ArrivalPacer(per_tick=4)
+        pending: list[bool] = []
+        for _ in range(12):
+            await pacer.turn()
+            pending.append(pacer._tick_pending)
+            await asyncio.sleep(0)  # the request's I/O: the next arrival comes in a later iteration
+        return pending, pacer.deferred
+
+    pending, deferred = asyncio.run(run())
+    assert deferred == 0
+    assert pending == [False, False, False, True] * 3
