@@ -51,6 +51,12 @@ class UpstreamConfig(_Model):
         "between two body chunks. Not a cap on a stream's total length.",
     )
     api_key: str | None = Field(None, description="Sent upstream instead of the client's Authorization.")
+    priority_scheduling: bool = Field(
+        False,
+        description="The engines run vLLM with --scheduling-policy priority: each generation carries its "
+        "tenant's class as vLLM's request priority (X-Vllm-Priority: critical -1, standard 0, sheddable 1), so "
+        "the engine's own queue and preemptions follow the classes kvgate admits by. Leave off for FCFS engines.",
+    )
     max_connections: int = Field(1024, ge=1)
     max_response_header_bytes: int = Field(
         64 * 1024, ge=1024, description="An engine response whose head is larger is answered 502."

@@ -37,6 +37,12 @@ def priority_rank(name: str | None) -> int:
     return PRIORITIES.index(name) if name is not None else STANDARD
 
 
+def engine_priority(rank: int) -> int:
+    """vLLM's request priority for a class (lower is served first, 0 is its default): critical -1, standard 0,
+    sheddable 1."""
+    return rank - STANDARD
+
+
 @dataclass(frozen=True, slots=True)
 class QueueClass:
     """How a tenant's tickets are queued: its class (0 = critical), fair-share weight and queue limit."""

@@ -15,6 +15,9 @@ engine sees them, coarsely where the body does not say more:
 * scoring routes (``/score``, ``/rerank``): each query/document pair is a prompt of its own, no output.
 * audio (multipart): the body is not read; the request reserves the whole context length (the decoder's own
   limit), which is coarse but never short.
+
+Every JSON body is refused with a ``priority`` of the client's own (other than 0): the engine's priority is the
+gateway's to set.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from gateway.protocol.requests import (
     json_object,
     optional_field,
     parse_request,
+    refuse_client_priority,
     truncation,
 )
 from gateway.protocol.routes import BodyKind
@@ -44,6 +48,7 @@ def parse_body(kind: BodyKind, raw: bytes) -> InferenceRequest:
     if kind == "audio":
         return InferenceRequest("completions", None, 1, None, None, [[]], None, min_tokens=RUNS_TO_BUDGET)
     body = json_object(raw)
+    refuse_client_priority(body)
     if kind == "invocations":
         if "messages" in body:
             return parse_request("chat", raw)

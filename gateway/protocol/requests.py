@@ -3,7 +3,8 @@
 The body itself is forwarded unchanged; we read it, never rewrite it. Checks stop at what the gateway relies
 on (prompt, messages, n, max_tokens, stream) and what it tokenizes (message content parts, names,
 tool calls, tools): anything the tokenizer or a chat template would trip over must be a 400 here, never a 500
-later. Everything else is the engine's business.
+later. Everything else is the engine's business, except what would overrule the gateway's own decisions: a
+``priority`` of the client's (see :func:`refuse_client_priority`).
 """
 
 from __future__ import annotations
@@ -52,8 +53,22 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def refuse_client_priority(body: dict[str, Any]) -> None:
+    """A 400 for a ``priority`` other than vLLM's default 0. An engine run with ``--scheduling-policy priority``
+    orders its queue by it and preempts running requests for it, so a client's own value would overrule the
+    classes kvgate admits by; an FCFS engine ignores it. Which priority the engine sees is the gateway's to
+    say, from the tenant's class (``upstream.priority_scheduling``)."""
+    value = body.get("priority")
+    if value is not None and value != 0:
+        raise bad_request(
+            "'priority' is set by the gateway from your tenant's priority class: leave it out (or 0).",
+            param="priority",
+        )
+
+
 def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     body = json_object(raw)
+    refuse_client_priority(body)
     model = optional_field(body, "model", str)
     optional_field(body, "stream", bool)
     stream_options = optional_field(body, "stream_options", dict) or {}

@@ -109,6 +109,7 @@ class Gateway:
             metrics=self.metrics,
             draining=lambda: self.draining,
             arrivals=self.arrivals,
+            priority_scheduling=config.upstream.priority_scheduling,
         )
         self.metrics.gauges.source = self._gauge_readings
         self.metrics.gauges.histograms = self._histogram_readings

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.admission.admitter import Admitter
+from gateway.admission.queue import engine_priority
 from gateway.config import RequestLimitsConfig
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.bodies import parse_body
@@ -53,6 +54,7 @@ class RequestPath:
         metrics: GatewayMetrics,
         draining: Callable[[], bool],
         arrivals: ArrivalPacer,
+        priority_scheduling: bool = False,
     ) -> None:
         self.policy = policy  # the current snapshot: a reload swaps it between requests
         self.costs = costs
@@ -64,6 +66,7 @@ class RequestPath:
         self.metrics = metrics
         self.draining = draining
         self.arrivals = arrivals
+        self.priority_scheduling = priority_scheduling  # the engines order and preempt by vLLM's priority
 
     async def handle(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         """One proxied request, from arrival to its last byte: route, authenticate, then the generation path
@@ -156,7 +159,8 @@ class RequestPath:
         await exchange.admit()
         # 6. forward and stream, on the engine it was placed on. An engine that refused the connection got
         #    nothing of it: that engine is ejected and the request placed again (a pool of one answers 503)
-        headers = upstream_headers(scope["headers"], exchange.engine_request_id, self.upstream_api_key)
+        priority = engine_priority(tenant_policy.qclass.priority) if self.priority_scheduling else None
+        headers = upstream_headers(scope["headers"], exchange.engine_request_id, self.upstream_api_key, priority)
         while True:
             exchange.sending()
             try:

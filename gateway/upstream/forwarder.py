@@ -77,16 +77,23 @@ def _connection_named(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes
 
 
 def upstream_headers(
-    client_headers: list[tuple[bytes, bytes]], engine_request_id: str, api_key: str | None
+    client_headers: list[tuple[bytes, bytes]],
+    engine_request_id: str,
+    api_key: str | None,
+    priority: int | None = None,
 ) -> list[tuple[bytes, bytes]]:
     """What the engine is told: the client's headers kvgate forwards (see ``_FORWARDED_UP``; names are
     lower-case, as ASGI servers give them), the client's key when kvgate has none of its own for the engine,
-    the request id the engine knows this request by, and kvgate's engine key if it has one."""
+    the request id the engine knows this request by, kvgate's engine key if it has one, and the request's
+    ``priority`` for an engine that schedules by it (``X-Vllm-Priority``, which vLLM reads before the body's
+    field on chat, completions and responses)."""
     forwarded = _FORWARDED_UP if api_key is not None else _FORWARDED_UP_WITH_KEY
     headers = [(k, v) for k, v in client_headers if k in forwarded]
     headers.append((b"x-request-id", engine_request_id.encode("latin-1")))
     if api_key is not None:
         headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))
+    if priority is not None:
+        headers.append((b"x-vllm-priority", str(priority).encode()))
     return headers
 
 

@@ -227,3 +227,49 @@ def test_reload_under_load_loses_no_request(mini_vllm: Callable[..., str], procs
         f"\n[reload] {len(replies)} requests in {time.monotonic() - started:.1f}s across 2 applied reloads "
         f"and 1 rejected one: all 200; limits seen {sorted(set(limits))}"
     )
+
+
+def test_the_engine_schedules_by_the_tenants_class_never_by_the_clients_priority(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
+) -> None:
+    """With ``upstream.priority_scheduling`` each generation tells the engine its tenant's class as vLLM's
+    priority (X-Vllm-Priority, read before the body's field); a client's own ``priority`` is a 400 that never
+    reaches the engine, and neither does its own X-Vllm-Priority header. Through the OpenAI SDK."""
+    import openai
+
+    upstream = mini_vllm()
+    tenants = [
+        {"name": "urgent", "api_keys": ["sk-urgent"], "priority": "critical"},
+        {"name": "plain", "api_keys": ["sk-plain"]},
+        {"name": "batch", "api_keys": ["sk-batch"], "priority": "sheddable"},
+    ]
+    config = {"tokenizer": "heuristic", "tenants": tenants, "auth": {"require_api_key": True}}
+    scheduled = gateway(upstream, {**config, "upstream": {"priority_scheduling": True}})
+    fcfs = gateway(upstream, config)
+
+    def complete(gw: str, key: str, rid: str, body: dict[str, object] | None = None) -> None:
+        client = openai.OpenAI(base_url=gw + "/v1", api_key=key, max_retries=0)
+        headers = {"x-request-id": rid, "x-vllm-priority": "-100"}  # the client's own header goes nowhere
+        client.completions.create(
+            model="mini", prompt="hello there", max_tokens=4, extra_headers=headers, extra_body=body
+        )
+
+    for tenant in ("urgent", "plain", "batch"):
+        complete(scheduled, f"sk-{tenant}", f"scheduled-{tenant}")
+        complete(fcfs, f"sk-{tenant}", f"fcfs-{tenant}")
+    complete(fcfs, "sk-plain", "fcfs-zero", {"priority": 0})
+    for gw in (scheduled, fcfs):
+        with pytest.raises(openai.BadRequestError) as refused:
+            complete(gw, "sk-batch", "jumps-the-queue", {"priority": -100})
+        assert refused.value.status_code == 400 and refused.value.body["param"] == "priority"  # type: ignore[index]
+
+    seen = {rid.rpartition("-")[0]: p for rid, p in httpx.get(upstream + "/debug/priorities").json().items()}
+    assert seen == {
+        "scheduled-urgent": -1,
+        "scheduled-plain": 0,
+        "scheduled-batch": 1,
+        "fcfs-urgent": 0,
+        "fcfs-plain": 0,
+        "fcfs-batch": 0,
+        "fcfs-zero": 0,
+    }

@@ -51,6 +51,7 @@ class State:
     started: list[float] = field(default_factory=list)
     busy_rejections: int = 0
     seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, raw target, x-request-id), no /debug/
+    priorities: dict[str, int] = field(default_factory=dict)  # x-request-id -> the priority vLLM would schedule by
     process_started: float = field(default_factory=time.time)  # vLLM's process_start_time_seconds
 
     def used_blocks(self) -> int:
@@ -69,6 +70,18 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
     return _tok.count(prompt if isinstance(prompt, str) else "".join(prompt))
 
 
+def _priority(request: web.Request, body: dict[str, Any]) -> int:
+    """As vLLM 0.32's ``_get_priority`` on chat and completions: the X-Vllm-Priority header when it is an
+    integer, else the body's ``priority`` (0 by default)."""
+    header = request.headers.get("x-vllm-priority")
+    if header is not None:
+        try:
+            return int(header)
+        except ValueError:
+            pass
+    return int(body.get("priority") or 0)
+
+
 def _error(status: int, message: str, type_: str) -> web.Response:
     return web.Response(
         status=status,
@@ -83,6 +96,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     chat = request.path.endswith("chat/completions")
     if body.get("model") not in (None, st.model):
         return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
+    st.priorities[request.headers.get("x-request-id", "")] = _priority(request, body)
     prompt = _prompt_tokens(body)
     truncate = body.get("truncate_prompt_tokens")
     if isinstance(truncate, int) and truncate >= -1:  # vLLM keeps that many (-1: the context less one)
@@ -291,6 +305,10 @@ async def seen(request: web.Request) -> web.Response:
     return web.json_response(request.app["state"].seen)
 
 
+async def priorities(request: web.Request) -> web.Response:
+    return web.json_response(request.app["state"].priorities)
+
+
 async def responses_or_messages(request: web.Request) -> web.Response:
     """``/v1/responses`` and ``/v1/messages``, not streamed, answered as vLLM answers them: their usage says
     ``input_tokens`` / ``output_tokens`` (OpenAI Responses and Anthropic shapes), not ``prompt_tokens``."""
@@ -337,6 +355,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
     app.router.add_get("/debug/stats", stats)
     app.router.add_post("/debug/reset", reset_peak)
     app.router.add_get("/debug/requests", seen)
+    app.router.add_get("/debug/priorities", priorities)
     app.router.add_route("*", "/{tail:.*}", any_route)
     return app
 

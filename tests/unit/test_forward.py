@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
+from gateway.admission.queue import PRIORITIES, engine_priority, priority_rank
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError
 from gateway.server.request_path import request_ids
@@ -155,6 +156,19 @@ def test_only_headers_the_engine_needs_are_forwarded() -> None:
         (b"authorization", b"Bearer sk-tenant"),
         engine_id,
     ]
+    # a client's own X-Vllm-Priority never goes through; kvgate's (for a priority-scheduling engine) does
+    assert upstream_headers([*client, (b"x-vllm-priority", b"-9")], "engine-id", "engine-key") == [
+        *kept,
+        engine_id,
+        (b"authorization", b"Bearer engine-key"),
+    ]
+    assert upstream_headers(client, "engine-id", "engine-key", priority=-1)[-1] == (b"x-vllm-priority", b"-1")
+
+
+def test_the_engine_priority_of_each_class_keeps_the_class_order_around_vllms_default() -> None:
+    ranks = [priority_rank(name) for name in PRIORITIES]
+    assert [engine_priority(r) for r in ranks] == [-1, 0, 1]  # lower is served first; standard is vLLM's 0
+    assert engine_priority(priority_rank(None)) == 0
 
 
 def test_the_engine_gets_its_own_request_id_and_the_client_its_own_back() -> None:

@@ -1,6 +1,7 @@
 import orjson
 import pytest
 
+from gateway.protocol.bodies import parse_body
 from gateway.protocol.errors import GatewayError
 from gateway.protocol.requests import parse_request
 
@@ -150,3 +151,26 @@ def test_completions_default_to_vllms_16_tokens_and_chat_stays_open() -> None:
     assert parse_request("completions", b'{"prompt": "a", "max_tokens": 99}').max_tokens == 99
     assert parse_request("chat", b'{"messages": [{"role": "user", "content": "a"}]}').max_tokens is None
     assert parse_request("completions", b'{"prompt": "a", "min_tokens": 7}').min_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        ("chat", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("completions", {"prompt": "hi"}),
+        ("responses", {"input": "hi"}),
+        ("messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+        ("pooling", {"input": "hi"}),
+        ("score", {"query": "q", "documents": ["d"]}),
+        ("invocations", {"prompt": "hi"}),
+    ],
+)
+def test_a_priority_of_the_clients_own_is_refused_on_every_json_route(kind: str, body: dict[str, object]) -> None:
+    """vLLM's priority scheduling orders its queue and preempts by the body's ``priority``: a client's own
+    value would overrule the classes kvgate admits by. vLLM's default (0, or none) passes."""
+    for allowed in ({}, {"priority": 0}, {"priority": None}):
+        parse_body(kind, orjson.dumps({**body, **allowed}))  # type: ignore[arg-type]
+    for refused in (-5, 3, "1"):
+        with pytest.raises(GatewayError) as err:
+            parse_body(kind, orjson.dumps({**body, "priority": refused}))  # type: ignore[arg-type]
+        assert err.value.status == 400 and err.value.param == "priority"
