@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", help="address to listen on (default 0.0.0.0)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    serve.add_argument(
+        "--control-port", type=int, help="serve /healthz, /readyz and /metrics on this port only (listen.control_port)"
+    )
     serve.add_argument("--config", help="YAML config file; flags override it")
     serve.add_argument(
         "--tokenizer",

@@ -68,6 +68,14 @@ class ListenConfig(_Model):
 
     host: str = "0.0.0.0"
     port: int = Field(8080, ge=1, le=65535)
+    control_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Serve /healthz, /readyz and /metrics on this port (same host), and only them; the client "
+        "port then answers them 404. For a client port reachable from outside the cluster: /readyz names the "
+        "engines' addresses and /metrics the tenants, so probes and Prometheus use this port instead.",
+    )
     header_timeout_s: float = Field(
         10.0, gt=0, description="A connection must send a request's whole head within this long (slowloris)."
     )
@@ -87,6 +95,12 @@ class ListenConfig(_Model):
         description="Requests parsed and priced per event-loop iteration; more wait for the next, in order, "
         "so a burst does not hold back the connects and writes of requests already admitted.",
     )
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> ListenConfig:
+        if self.control_port == self.port:
+            raise ValueError(f"listen.control_port: {self.control_port} is the client port too")
+        return self
 
 
 class ModelConfig(_Model):
@@ -400,7 +414,12 @@ class GatewayConfig(_Model):
     def with_overrides(self, **flags: Any) -> GatewayConfig:
         """Apply command-line flags (None means 'not given') on top of the file."""
         data = self.model_dump()
-        mapping = {"upstream": ("upstream", "url"), "host": ("listen", "host"), "port": ("listen", "port")}
+        mapping = {
+            "upstream": ("upstream", "url"),
+            "host": ("listen", "host"),
+            "port": ("listen", "port"),
+            "control_port": ("listen", "control_port"),
+        }
         for flag, value in flags.items():
             if value is None:
                 continue
@@ -417,7 +436,10 @@ class GatewayConfig(_Model):
                 data[section][key] = value
             else:
                 data[flag] = value
-        return GatewayConfig.model_validate(data)
+        try:
+            return GatewayConfig.model_validate(data)
+        except ValidationError as exc:  # the flags broke it (a --port on the control port): say so, as for a file
+            raise ConfigError(_locate_errors(exc, None, "command line")) from exc
 
 
 class ConfigError(Exception):

@@ -118,6 +118,7 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._tenants_seen: set[str] = set()  # tenants whose queue-depth gauge exists (0 when none waits)
         self._control = self._control_app()
+        self._control_port = config.listen.control_port
 
     @staticmethod
     def _policy(config: GatewayConfig, version: int) -> Policy:
@@ -136,7 +137,7 @@ class Gateway:
             return
         if scope["type"] != "http":
             return
-        if raw_path_of(scope) in CONTROL_PATHS:
+        if self._is_control(scope):
             await self._control(scope, receive, send)
             return
         self.active_requests += 1
@@ -146,6 +147,14 @@ class Gateway:
             self.active_requests -= 1
             if self.draining and self.active_requests == 0:
                 self._idle.set()
+
+    def _is_control(self, scope: dict[str, Any]) -> bool:
+        """kvgate's own endpoints: on the client port, unless ``listen.control_port`` gives them a port of
+        their own, where nothing else is served (its unknown paths are the control app's 404)."""
+        if self._control_port is None:
+            return raw_path_of(scope) in CONTROL_PATHS
+        server = scope.get("server")
+        return server is not None and server[1] == self._control_port
 
     # --- lifecycle ----------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from typing import Any
 
@@ -68,6 +69,7 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
         upstream_dns=getattr(args, "upstream_dns", None),
         host=args.host,
         port=args.port,
+        control_port=getattr(args, "control_port", None),
         tokenizer=args.tokenizer,
         tokenizer_download=args.tokenizer_download,
         log_level=args.log_level,
@@ -89,8 +91,27 @@ def run(args: argparse.Namespace) -> int:
             log.error("cannot load tokenizer %r: %s", config.tokenizer, exc)
             return 2
     gateway = Gateway(config, config_path=args.config)
-    DrainingServer(uvicorn_config(gateway, config), gateway, args.drain_timeout).run()
+    server = DrainingServer(uvicorn_config(gateway, config), gateway, args.drain_timeout)
+    listen = config.listen
+    if listen.control_port is None:
+        server.run()
+    else:  # one server, two listening sockets: the gateway tells them apart by the port a request came in on
+        server.run(sockets=[bind(listen.host, listen.port), bind(listen.host, listen.control_port)])
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``, bound as uvicorn binds its own."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def uvicorn_config(gateway: Gateway, config: GatewayConfig) -> uvicorn.Config:

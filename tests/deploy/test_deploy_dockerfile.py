@@ -168,6 +168,7 @@ def test_entrypoint_maps_environment_to_flags(tmp_path: Path) -> None:
     env = {
         "KVGATE_UPSTREAM": "http://vllm:8000",
         "KVGATE_PORT": "9000",
+        "KVGATE_CONTROL_PORT": "9090",
         "KVGATE_TOKENIZER": "heuristic:3.5",
         "KVGATE_LOG_LEVEL": "debug",
     }
@@ -180,6 +181,7 @@ def test_entrypoint_maps_environment_to_flags(tmp_path: Path) -> None:
     # KVGATE_UPSTREAM is kvgate's own to read (--upstream repeats into a pool, so a mapped flag could not be
     # replaced by a later one): a flag beats it, and without a flag it is the upstream, or a pool of them
     parsed.config = None  # the file is the image's; its absence changes nothing here
+    assert serve.build_config(parsed).listen.control_port == 9090
     monkeypatch = pytest.MonkeyPatch()
     with monkeypatch.context() as m:
         m.setenv("KVGATE_UPSTREAM", "http://vllm:8000")
@@ -219,8 +221,18 @@ def health_server() -> Iterator[http.server.HTTPServer]:
     server.server_close()
 
 
-def run_healthcheck(port: int) -> int:
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_healthcheck(port: int, control_port: int | None = None) -> int:
     env = {**os.environ, "KVGATE_PORT": str(port)}
+    if control_port is not None:
+        env["KVGATE_CONTROL_PORT"] = str(control_port)
     return subprocess.run(healthcheck_argv(), env=env, capture_output=True, timeout=30, check=False).returncode
 
 
@@ -228,6 +240,9 @@ def test_healthcheck_passes_on_200_and_fails_otherwise(health_server: http.serve
     port = health_server.server_address[1]
     _Handler.status = 200
     assert run_healthcheck(port) == 0
+    # with a control port, /healthz is there (and 404 on the client port): the check asks the control port
+    assert run_healthcheck(free_port(), control_port=port) == 0
+    assert run_healthcheck(port, control_port=free_port()) != 0
     _Handler.status = 503
     assert run_healthcheck(port) != 0
     health_server.shutdown()

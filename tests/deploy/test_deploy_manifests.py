@@ -153,6 +153,11 @@ def test_workloads_are_bounded_and_kvgate_is_locked_down(rendered: dict[str, lis
         # The image turns KVGATE_PORT into --port (and its HEALTHCHECK reads it): it must agree too.
         env = {e["name"]: e.get("value") for e in gate.get("env", [])}
         assert int(env["KVGATE_PORT"]) == port
+        # probes and Prometheus on the control port, which the client port does not answer for
+        control = policy(rendered[overlay])["listen"]["control_port"]
+        assert container_port(w, "control") == control == int(env["KVGATE_CONTROL_PORT"])
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert gate[probe]["httpGet"]["port"] == "control"
 
 
 def test_sidecar_engine_is_reachable_only_through_kvgate(rendered: dict[str, list[Manifest]]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import socket
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.protocol.routes import GENERATION, READ_ONLY
+from tests.support.procs import Proc
 from tests.support.promtext import scrape
 
 pytestmark = pytest.mark.e2e
@@ -229,3 +231,36 @@ def test_generated_targets_never_reach_the_engine_off_the_allow_list(
         if path in GENERATION:
             assert admitted == 1, f"{target} reached the engine without admission"
     assert len(arrived) <= 1  # and never twice
+
+
+def test_a_control_port_takes_the_probes_and_metrics_off_the_client_port(procs: list[Proc], tmp_path: Path) -> None:
+    """``listen.control_port``: /healthz, /readyz and /metrics answer there and nowhere else (the client
+    port says 404, as for any route it does not know, and tells nothing of the engines or tenants); the
+    control port proxies nothing. Generations still go through the client port."""
+    import yaml
+
+    from tests.support.procs import free_port, gateway_argv, start_mini_vllm
+
+    procs.append(start_mini_vllm())
+    upstream = procs[-1].url
+    port, control = free_port(), free_port()
+    config = tmp_path / "kvgate.yaml"
+    config.write_text(yaml.safe_dump({**CONFIG, "listen": {"host": "127.0.0.1", "control_port": control}}))
+    argv = gateway_argv(upstream, port, config)
+    procs.append(Proc("kvgate", argv, url=f"http://127.0.0.1:{control}").start().wait_ready("/readyz", 60))
+    client, control_url = f"http://127.0.0.1:{port}", procs[-1].url
+
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert httpx.get(control_url + path).status_code == 200
+        for key in (None, KEY):  # not even a tenant's key reaches them on the client port
+            answer = httpx.get(client + path, headers={"authorization": f"Bearer {key}"} if key else {})
+            assert answer.status_code == 404 and upstream.rpartition(":")[2] not in answer.text
+    assert "kvgate_requests_admitted_total" in httpx.get(control_url + "/metrics").text
+
+    rid = "control-port"
+    assert raw_request(control_url, "POST", "/v1/completions", rid=rid, body=COMPLETION) == 404
+    assert raw_request(control_url, "GET", "/v1/models", rid=rid) == 404
+    assert reached(upstream, rid) == []
+    assert raw_request(client, "POST", "/v1/completions", rid="client-port", body=COMPLETION) == 200
+    assert reached(upstream, "client-port") == [("POST", "/v1/completions")]
+    assert scrape(control_url)["kvgate_requests_admitted_total"] == 1

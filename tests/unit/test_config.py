@@ -31,6 +31,16 @@ def test_watermarks_must_be_ordered() -> None:
     assert err.value.errors[0].startswith("kv.yaml:2:3: admission:")
 
 
+def test_the_control_port_is_a_port_of_its_own() -> None:
+    assert parse_config("listen:\n  control_port: 9090\n").listen.control_port == 9090
+    assert parse_config("listen: {}\n").listen.control_port is None  # default: on the client port
+    with pytest.raises(ConfigError) as err:
+        parse_config("listen:\n  port: 9000\n  control_port: 9000\n", "kv.yaml")
+    assert "control_port: 9000 is the client port too" in err.value.errors[0]
+    with pytest.raises(ConfigError):  # a --port flag that lands on it is refused as well
+        parse_config("listen:\n  control_port: 9000\n").with_overrides(port=9000)
+
+
 def test_yaml_syntax_error_has_a_location() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config("admission:\n  high_watermark: [1\n", "kv.yaml")
