@@ -96,7 +96,15 @@ def run(args: argparse.Namespace) -> int:
     if listen.control_port is None:
         server.run()
     else:  # one server, two listening sockets: the gateway tells them apart by the port a request came in on
-        server.run(sockets=[bind(listen.host, listen.port), bind(listen.host, listen.control_port)])
+        sockets = [bind(listen.host, listen.port), bind(listen.host, listen.control_port)]
+        log.info(
+            "listening on %s:%d for clients, %s:%d for /healthz, /readyz and /metrics",
+            listen.host,
+            listen.port,
+            listen.host,
+            listen.control_port,
+        )
+        server.run(sockets=sockets)
     return 0
 
 
