@@ -44,7 +44,8 @@ HEALTHCHECK --interval=15s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request as u; r = u.urlopen('http://127.0.0.1:%s/healthz' % (os.environ.get('KVGATE_CONTROL_PORT') or os.environ.get('KVGATE_PORT', '8080')), timeout=2); sys.exit(0 if r.status == 200 else 1)"]
 # Configuration, lowest precedence first: the mounted file (CMD's --config), then KVGATE_* variables, then
 # flags given to `docker run`. sh only maps the variables to flags and then execs kvgate, so kvgate is PID 1
-# and receives SIGTERM directly, which starts its graceful drain. KVGATE_PORT also tells HEALTHCHECK the port.
+# and receives SIGTERM directly, which starts its graceful drain. KVGATE_PORT also tells HEALTHCHECK the port
+# (KVGATE_CONTROL_PORT, when set: /healthz answers on both, but only the control port ignores max_connections).
 # KVGATE_UPSTREAM (one URL, or several separated by commas: a pool) is read by kvgate itself, and used only
 # when no --upstream is given: --upstream repeats to make a pool, so a flag could not replace a mapped one.
 ENTRYPOINT ["/bin/sh", "-c", "exec kvgate serve ${KVGATE_PORT:+--port \"$KVGATE_PORT\"} ${KVGATE_CONTROL_PORT:+--control-port \"$KVGATE_CONTROL_PORT\"} ${KVGATE_TOKENIZER:+--tokenizer \"$KVGATE_TOKENIZER\"} ${KVGATE_LOG_LEVEL:+--log-level \"$KVGATE_LOG_LEVEL\"} \"$@\"", "kvgate"]

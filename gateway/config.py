@@ -54,8 +54,9 @@ class UpstreamConfig(_Model):
     priority_scheduling: bool = Field(
         False,
         description="The engines run vLLM with --scheduling-policy priority: each generation carries its "
-        "tenant's class as vLLM's request priority (X-Vllm-Priority: critical -1, standard 0, sheddable 1), so "
-        "the engine's own queue and preemptions follow the classes kvgate admits by. Leave off for FCFS engines.",
+        "tenant's class as vLLM's request priority (X-Vllm-Priority: critical -1, standard 0, sheddable 1; read "
+        "by vLLM on chat, completions, responses and messages, not on pooling and scoring routes), so the "
+        "engine's own queue and preemptions follow the classes kvgate admits by. Leave off for FCFS engines.",
     )
     max_connections: int = Field(1024, ge=1)
     max_response_header_bytes: int = Field(

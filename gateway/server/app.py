@@ -150,11 +150,13 @@ class Gateway:
 
     def _is_control(self, scope: dict[str, Any]) -> bool:
         """kvgate's own endpoints: on the client port, unless ``listen.control_port`` gives them a port of
-        their own, where nothing else is served (its unknown paths are the control app's 404)."""
+        their own, where nothing else is served (its unknown paths are the control app's 404). ``/healthz``
+        tells nothing and stays on the client port too (a container health check that knows that port alone).
+        A request whose local address is unknown is not proxied."""
         if self._control_port is None:
             return raw_path_of(scope) in CONTROL_PATHS
         server = scope.get("server")
-        return server is not None and server[1] == self._control_port
+        return server is None or server[1] == self._control_port or raw_path_of(scope) == "/healthz"
 
     # --- lifecycle ----------------------------------------------------------------------------------
 

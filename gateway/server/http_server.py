@@ -84,6 +84,7 @@ class HttpProtocol(asyncio.Protocol):
 
     header_timeout_s: ClassVar[float] = 10.0
     body_timeout_s: ClassVar[float] = 30.0
+    control_port: ClassVar[int | None] = None  # its connections are probes and scrapes: no concurrency limit
 
     __slots__ = (
         "_body_cycle",
@@ -172,6 +173,8 @@ class HttpProtocol(asyncio.Protocol):
         self.server_state.connections.add(self)  # type: ignore[arg-type]  # uvicorn calls shutdown() on each
         self.server = _address(self.transport.get_extra_info("sockname"))
         self.client = _address(self.transport.get_extra_info("peername"))
+        if self.server is not None and self.server[1] == self.control_port:
+            self.limit = None  # clients filling max_connections must not fail the probes (a liveness restart)
         self._loss = ConnectionLoss(self.resume_reading)  # up to MAX_PIPELINED may then queue
         self._extensions = {CONNECTION_LOSS: {"loss": self._loss}}
         self._last_read = self._clock()
@@ -559,11 +562,13 @@ def _address(value: object) -> tuple[str, int] | None:
 
 def configured_protocol(listen: ListenConfig) -> type[HttpProtocol]:
     """The protocol class for ``uvicorn.Config(http=...)``, with ``listen``'s head and body timeouts (the
-    keep-alive one is uvicorn's ``timeout_keep_alive``)."""
+    keep-alive one is uvicorn's ``timeout_keep_alive``) and its control port, whose connections
+    ``max_connections`` does not limit."""
 
     class ConfiguredHttpProtocol(HttpProtocol):
         __slots__ = ()
         header_timeout_s = listen.header_timeout_s
         body_timeout_s = listen.body_timeout_s
+        control_port = listen.control_port
 
     return ConfiguredHttpProtocol

@@ -30,11 +30,42 @@ class DrainingServer(uvicorn.Server):
     completion. Once none is left, or at the deadline, uvicorn shuts down. A second signal exits at once.
     """
 
-    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_timeout_s: float) -> None:
+    def __init__(
+        self, config: uvicorn.Config, gateway: Gateway, drain_timeout_s: float, control_port: int | None = None
+    ) -> None:
         super().__init__(config)
         self.gateway = gateway
         self.drain_timeout_s = drain_timeout_s
+        self.control_port = control_port
         self._drain_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start-up, then the control port (``listen.control_port``): a second listener of the same
+        server, bound as uvicorn binds the client port, closed with it on shutdown. The gateway tells the two
+        apart by the local port a request came in on."""
+        await super().startup(sockets)
+        if self.control_port is None or not self.started:
+            return
+        config = self.config
+
+        def protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=_loop
+            )
+
+        loop = asyncio.get_running_loop()
+        try:
+            server = await loop.create_server(
+                protocol, host=config.host, port=self.control_port, backlog=config.backlog
+            )
+        except OSError as exc:  # as uvicorn does when the client port cannot be bound
+            log.error("cannot listen on the control port %d: %s", self.control_port, exc)
+            for listening in self.servers:
+                listening.close()
+            await self.lifespan.shutdown()
+            sys.exit(3)
+        self.servers.append(server)
+        log.info("control endpoints (/readyz, /metrics, /healthz) on port %d only", self.control_port)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.gateway.draining or self._drain_task is not None:
@@ -91,35 +122,8 @@ def run(args: argparse.Namespace) -> int:
             log.error("cannot load tokenizer %r: %s", config.tokenizer, exc)
             return 2
     gateway = Gateway(config, config_path=args.config)
-    server = DrainingServer(uvicorn_config(gateway, config), gateway, args.drain_timeout)
-    listen = config.listen
-    if listen.control_port is None:
-        server.run()
-    else:  # one server, two listening sockets: the gateway tells them apart by the port a request came in on
-        sockets = [bind(listen.host, listen.port), bind(listen.host, listen.control_port)]
-        log.info(
-            "listening on %s:%d for clients, %s:%d for /healthz, /readyz and /metrics",
-            listen.host,
-            listen.port,
-            listen.host,
-            listen.control_port,
-        )
-        server.run(sockets=sockets)
+    DrainingServer(uvicorn_config(gateway, config), gateway, args.drain_timeout, config.listen.control_port).run()
     return 0
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port``, bound as uvicorn binds its own."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 def uvicorn_config(gateway: Gateway, config: GatewayConfig) -> uvicorn.Config:

@@ -170,8 +170,11 @@ def test_sidecar_engine_is_reachable_only_through_kvgate(rendered: dict[str, lis
     upstream = urlsplit(policy(docs)["upstream"]["url"])
     assert (upstream.hostname, upstream.port) == ("127.0.0.1", int(args[args.index("--port") + 1]))
     assert vllm["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    (svc,) = find(docs, "Service")
-    assert container_port(pod, svc["spec"]["ports"][0]["targetPort"]) == container_port(pod, "http")
+    # clients' Service reaches kvgate's client port only; the control port has a Service of its own
+    svc, control = one(docs, "Service", "kvgate"), one(docs, "Service", "kvgate-control")
+    assert [container_port(pod, p["targetPort"]) for p in svc["spec"]["ports"]] == [container_port(pod, "http")]
+    assert [container_port(pod, p["targetPort"]) for p in control["spec"]["ports"]] == [container_port(pod, "control")]
+    assert len(find(docs, "Service")) == 2
     assert "http" in {p["name"] for p in gate["ports"]}
 
 

@@ -233,10 +233,8 @@ def test_generated_targets_never_reach_the_engine_off_the_allow_list(
     assert len(arrived) <= 1  # and never twice
 
 
-def test_a_control_port_takes_the_probes_and_metrics_off_the_client_port(procs: list[Proc], tmp_path: Path) -> None:
-    """``listen.control_port``: /healthz, /readyz and /metrics answer there and nowhere else (the client
-    port says 404, as for any route it does not know, and tells nothing of the engines or tenants); the
-    control port proxies nothing. Generations still go through the client port."""
+def start_with_control_port(procs: list[Proc], tmp_path: Path, listen: dict[str, object]) -> tuple[str, str, str]:
+    """mini vLLM and a gateway with ``listen.control_port``: (upstream, client URL, control URL)."""
     import yaml
 
     from tests.support.procs import free_port, gateway_argv, start_mini_vllm
@@ -245,13 +243,22 @@ def test_a_control_port_takes_the_probes_and_metrics_off_the_client_port(procs: 
     upstream = procs[-1].url
     port, control = free_port(), free_port()
     config = tmp_path / "kvgate.yaml"
-    config.write_text(yaml.safe_dump({**CONFIG, "listen": {"host": "127.0.0.1", "control_port": control}}))
+    config.write_text(yaml.safe_dump({**CONFIG, "listen": {**listen, "control_port": control}}))
     argv = gateway_argv(upstream, port, config)
     procs.append(Proc("kvgate", argv, url=f"http://127.0.0.1:{control}").start().wait_ready("/readyz", 60))
-    client, control_url = f"http://127.0.0.1:{port}", procs[-1].url
+    return upstream, f"http://127.0.0.1:{port}", procs[-1].url
+
+
+def test_a_control_port_takes_readiness_and_metrics_off_the_client_port(procs: list[Proc], tmp_path: Path) -> None:
+    """``listen.control_port``: /readyz and /metrics answer there and nowhere else (the client port says 404,
+    as for any route it does not know, and tells nothing of the engines or tenants); /healthz, which tells
+    nothing, answers on both. The control port proxies nothing. Generations go through the client port."""
+    upstream, client, control_url = start_with_control_port(procs, tmp_path, {})
 
     for path in ("/healthz", "/readyz", "/metrics"):
         assert httpx.get(control_url + path).status_code == 200
+    assert httpx.get(client + "/healthz").json() == {"status": "alive"}
+    for path in ("/readyz", "/metrics"):
         for key in (None, KEY):  # not even a tenant's key reaches them on the client port
             answer = httpx.get(client + path, headers={"authorization": f"Bearer {key}"} if key else {})
             assert answer.status_code == 404 and upstream.rpartition(":")[2] not in answer.text
@@ -264,3 +271,18 @@ def test_a_control_port_takes_the_probes_and_metrics_off_the_client_port(procs: 
     assert raw_request(client, "POST", "/v1/completions", rid="client-port", body=COMPLETION) == 200
     assert reached(upstream, "client-port") == [("POST", "/v1/completions")]
     assert scrape(control_url)["kvgate_requests_admitted_total"] == 1
+
+
+def test_clients_at_the_connection_limit_do_not_fail_the_probes(procs: list[Proc], tmp_path: Path) -> None:
+    """``max_connections`` held by idle client connections: the client port answers 503, the control port
+    still answers its probes (a failed liveness probe restarts the pod)."""
+    _, client, control_url = start_with_control_port(procs, tmp_path, {"max_connections": 2})
+    parts = urlsplit(client)
+    held = [socket.create_connection((parts.hostname, parts.port), timeout=30) for _ in range(2)]
+    try:
+        assert raw_request(client, "POST", "/v1/completions", rid="over-the-limit", body=COMPLETION) == 503
+        for path in ("/healthz", "/readyz", "/metrics"):
+            assert httpx.get(control_url + path).status_code == 200
+    finally:
+        for sock in held:
+            sock.close()

@@ -168,9 +168,9 @@ def test_completions_default_to_vllms_16_tokens_and_chat_stays_open() -> None:
 def test_a_priority_of_the_clients_own_is_refused_on_every_json_route(kind: str, body: dict[str, object]) -> None:
     """vLLM's priority scheduling orders its queue and preempts by the body's ``priority``: a client's own
     value would overrule the classes kvgate admits by. vLLM's default (0, or none) passes."""
-    for allowed in ({}, {"priority": 0}, {"priority": None}):
+    for allowed in ({}, {"priority": 0}, {"priority": None}, {"priority": 0.0}, {"priority": False}):
         parse_body(kind, orjson.dumps({**body, **allowed}))  # type: ignore[arg-type]
-    for refused in (-5, 3, "1"):
+    for refused in (-5, 3, "1", "0", True, 0.5):
         with pytest.raises(GatewayError) as err:
             parse_body(kind, orjson.dumps({**body, "priority": refused}))  # type: ignore[arg-type]
         assert err.value.status == 400 and err.value.param == "priority"
