@@ -58,6 +58,12 @@ class UpstreamConfig(_Model):
         "by vLLM on chat, completions, responses and messages, not on pooling and scoring routes), so the "
         "engine's own queue and preemptions follow the classes kvgate admits by. Leave off for FCFS engines.",
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="The engines' --stream-interval: tokens vLLM batches into each streamed event (a request "
+        "may ask for more). kvgate counts a stream's progress, and what it bills without usage, from its events.",
+    )
     max_connections: int = Field(1024, ge=1)
     max_response_header_bytes: int = Field(
         64 * 1024, ge=1024, description="An engine response whose head is larger is answered 502."

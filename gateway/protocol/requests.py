@@ -33,6 +33,8 @@ class InferenceRequest:
     # vLLM's truncate_prompt_tokens: the engine keeps at most this many prompt tokens (-1: as many as the
     # context allows); None: no truncation
     truncate_to: int | None = None
+    # vLLM's stream_interval: a stream's events after the first carry this many tokens each (the last fewer)
+    stream_interval: int = 1
 
 
 # vLLM's CompletionRequest defaults max_tokens to 16; chat leaves it open (the context's rest).
@@ -92,6 +94,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         min_tokens = RUNS_TO_BUDGET
 
     truncate_to = truncation(body)
+    stream_interval = _positive_int(body, "stream_interval") or 1
     messages: list[dict[str, Any]] | None = None
     prompts: list[Prompt] = []
     tools = optional_field(body, "tools", list)
@@ -111,6 +114,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         tools=tools,
         min_tokens=min_tokens,
         truncate_to=truncate_to,
+        stream_interval=stream_interval,
     )
 
 

@@ -110,6 +110,7 @@ class Gateway:
             draining=lambda: self.draining,
             arrivals=self.arrivals,
             priority_scheduling=config.upstream.priority_scheduling,
+            stream_interval=config.upstream.stream_interval,
         )
         self.metrics.gauges.source = self._gauge_readings
         self.metrics.gauges.histograms = self._histogram_readings

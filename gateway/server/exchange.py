@@ -18,7 +18,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError
 from gateway.server.hints import NO_HINTS
 from gateway.server.response import ResponseWriter
-from gateway.server.settle import tokens_used
+from gateway.server.settle import tokens_streamed, tokens_used
 from gateway.tenants.counters import Charge, TenantCounters
 from gateway.tenants.policy import TenantPolicy
 from gateway.tenants.ratelimit import ratelimit_headers
@@ -59,7 +59,8 @@ class Exchange:
         self.slot_wait_s = 0.0
         self.admission: Admission | None = None
         self.reached_engine = False
-        self.generated = 0  # SSE events relayed so far
+        self.stream_interval = 1  # tokens per SSE event the engine batches (vLLM's stream_interval)
+        self.generated = 0  # output tokens relayed so far, at least (from the SSE events)
         self.usage: Usage | None = None
         self.broke_off = False  # its 200 stream ended in the engine's error event
         self.outcome: Outcome | None = None  # set once, when the exchange closes
@@ -142,10 +143,11 @@ class Exchange:
         self.reached_engine = True
 
     def progress(self, events: int) -> None:
-        """The engine's answer has got this far (SSE events relayed); the ledger learns it too."""
-        self.generated = events
+        """The engine's answer has got this far (SSE events relayed: the tokens they carry at least, give or
+        take the events that carry none, a chat's role, the usage, ``[DONE]``); the ledger learns it too."""
+        self.generated = tokens_streamed(events, self.stream_interval)
         if self.admission is not None:
-            self._admitter.progress(self.admission.reservation, events)
+            self._admitter.progress(self.admission.reservation, self.generated)
 
     def reply_headers(self) -> list[tuple[bytes, bytes]]:
         """What the client's response says beside the engine's headers: request id, rate limits, the wait."""
@@ -184,7 +186,9 @@ class Exchange:
         answered = outcome == "completed" and self.writer.status == 200  # an engine error teaches nothing
         whole_answer = answered and not self.writer.event_stream
         if self.admission is not None:
-            if answered and (self.usage is not None or not whole_answer):  # a length the engine or stream said
+            # a length the engine said, or a stream's event count when each event is one token (a batched
+            # stream's count is only a floor, which would teach lengths short of the truth)
+            if answered and (self.usage is not None or (not whole_answer and self.stream_interval == 1)):
                 produced = self.usage.completion_tokens if self.usage is not None else self.generated
                 self._admitter.learn(self.admission.reservation, produced)
             self._admitter.release(self.admission.reservation, outcome)

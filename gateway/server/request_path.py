@@ -55,6 +55,7 @@ class RequestPath:
         draining: Callable[[], bool],
         arrivals: ArrivalPacer,
         priority_scheduling: bool = False,
+        stream_interval: int = 1,
     ) -> None:
         self.policy = policy  # the current snapshot: a reload swaps it between requests
         self.costs = costs
@@ -67,6 +68,7 @@ class RequestPath:
         self.draining = draining
         self.arrivals = arrivals
         self.priority_scheduling = priority_scheduling  # the engines order and preempt by vLLM's priority
+        self.stream_interval = stream_interval  # the engines' --stream-interval: tokens per streamed event
 
     async def handle(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         """One proxied request, from arrival to its last byte: route, authenticate, then the generation path
@@ -146,6 +148,7 @@ class RequestPath:
         watch.start()  # from here on, a client that goes away cancels this request wherever it is
         await self.arrivals.turn()  # in a burst, a few per loop iteration: the admitted ones' I/O goes on
         request = await _parse(body_kind, raw)
+        exchange.stream_interval = max(request.stream_interval, self.stream_interval)  # vLLM takes the larger
         # 3. estimate cost (tokenizing long prompts off the event loop)
         cost = await self.costs.estimate(request)
         # 4. rate limit (pre-charges prompt + reserved output; shared across replicas when Redis is configured)

@@ -255,3 +255,31 @@ def test_health_and_readiness(mini_vllm: Callable[..., str], gateway: Callable[.
     assert ready.status_code == 503 and "stale" in ready.json()["reason"]
     assert httpx.get(gw + "/healthz").status_code == 200
     assert scrape(gw)["kvgate_scrape_errors_total"] >= 1
+
+
+@pytest.mark.parametrize("engine_interval", [1, 8])
+def test_a_batched_stream_neither_teaches_short_output_lengths_nor_bills_as_its_event_count(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str], engine_interval: int
+) -> None:
+    """vLLM's stream_interval (the request's, or the engine's --stream-interval) puts many tokens in one SSE
+    event. A stream without usage then teaches kvgate no output length: its event count (8 for 50 tokens by 8)
+    would have made every later request of the tenant reserve a sixth of what it produces. (What it bills and
+    how far kvgate sees it go: tests/unit/test_admitter.py.)"""
+    upstream = mini_vllm(stream_interval=engine_interval)
+    config = {
+        "tokenizer": "heuristic",
+        "upstream": {"stream_interval": engine_interval},
+        "admission": {"output_estimate": {"min_samples": 4}},
+    }
+    gw = gateway(upstream, config)
+    client = openai.OpenAI(base_url=gw + "/v1", api_key="x", max_retries=0)
+    interval = {} if engine_interval > 1 else {"stream_interval": 8}  # else the engine batches them itself
+    for _ in range(6):
+        stream = client.completions.create(
+            model="mini", prompt="hello there", max_tokens=50, stream=True, extra_body=interval
+        )
+        events = [chunk for chunk in stream if chunk.choices]
+        assert len(events) == 8 and "".join(e.choices[0].text for e in events) == " tok" * 50
+    reply = client.completions.with_raw_response.create(model="mini", prompt="hello there", max_tokens=50)
+    assert reply.headers["x-kvgate-expected-output-tokens"] == "50"  # still the whole budget: nothing learned
+    assert_ledger_empty(gw)

@@ -50,6 +50,7 @@ class State:
     cancelled: list[float] = field(default_factory=list)
     started: list[float] = field(default_factory=list)
     busy_rejections: int = 0
+    stream_interval: int = 1  # vLLM's --stream-interval
     seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, raw target, x-request-id), no /debug/
     priorities: dict[str, int] = field(default_factory=dict)  # x-request-id -> the priority vLLM would schedule by
     process_started: float = field(default_factory=time.time)  # vLLM's process_start_time_seconds
@@ -163,13 +164,22 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
             }
             await resp.write(b"data: " + orjson.dumps(first) + b"\n\n")
+        # as vLLM's output processor: the first token at once, then one event per stream_interval tokens (the
+        # request's or the engine's, the larger), the last with what is left
+        interval = max(int(body.get("stream_interval") or 1), st.stream_interval)
+        pending = 0
         for i in range(max_tokens):
             await _step(st, rid)
+            pending += 1
             last = i == max_tokens - 1
+            if not (last or i == 0 or pending >= interval):
+                continue
+            text = " tok" * pending
+            pending = 0
             if chat:
-                choice = {"index": 0, "delta": {"content": " tok"}, "finish_reason": "length" if last else None}
+                choice = {"index": 0, "delta": {"content": text}, "finish_reason": "length" if last else None}
             else:
-                choice = {"index": 0, "text": " tok", "finish_reason": "length" if last else None}
+                choice = {"index": 0, "text": text, "finish_reason": "length" if last else None}
             chunk = {"id": f"c-{rid}", "object": obj, "model": st.model, "choices": [choice]}
             await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         if include_usage:
@@ -343,6 +353,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
     app["state"] = State(
         args.num_blocks, args.block_size, args.max_model_len, args.token_delay_ms / 1000, args.busy_after, args.model
     )
+    app["state"].stream_interval = getattr(args, "stream_interval", 1)
     app["tokenize_fault"] = getattr(args, "tokenize_fault", "none")
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
@@ -370,6 +381,7 @@ def main() -> None:
     p.add_argument("--token-delay-ms", type=float, default=0.0)
     p.add_argument("--busy-after", type=int, default=None, help="reject like vLLM's --max-num-queued-reqs")
     p.add_argument("--model", default="mini")
+    p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed event, as vLLM's flag")
     p.add_argument("--tokenize-fault", choices=TOKENIZE_FAULTS, default="none", help="break /tokenize this way")
     args = p.parse_args()
     try:

@@ -516,3 +516,31 @@ async def test_a_stream_that_outgrows_its_estimate_is_restated_even_while_a_rest
         await asyncio.sleep(0)
     assert books.peaks[-1][0] is not None and books.peaks[-1][0][1] == grown
     admitter.release(res, "ok")
+
+
+class RecordingCounters(TenantCounters):
+    def __init__(self) -> None:
+        super().__init__(RedisConfig(), GatewayMetrics())
+        self.settled: list[int] = []
+
+    def settle(self, charge: Any, actual: int, reached_engine: bool = True) -> None:
+        self.settled.append(actual)
+        super().settle(charge, actual, reached_engine)
+
+
+async def test_a_batched_stream_shows_its_tokens_to_the_ledger_and_is_billed_for_them() -> None:
+    """Eight events of a stream batched by 8 (vLLM's stream_interval) carried 50 tokens at least: the ledger
+    sees the request that far (whether it outran its estimate) and the tenant is billed that, not 8."""
+    admitter, _ = make()
+    counters = RecordingCounters()
+    policy = TenantPolicy("t", "t", RateLimits(tokens_per_minute=100_000), None, 60.0, QueueClass())
+    async with Exchange(
+        "req", ResponseWriter(_unused_send), admitter=admitter, counters=counters, metrics=admitter.metrics
+    ) as ex:
+        ex.stream_interval = 8
+        await ex.charge_rate_limits(policy, RequestCost((16,), 1, 200, 14))
+        await ex.admit()
+        ex.sending()
+        ex.progress(8)
+        assert ex.admission is not None and ex.admission.reservation.generated == 50
+    assert counters.settled == [16 + 50]

@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.protocol.errors import GatewayError
-from gateway.server.settle import tokens_used
+from gateway.server.settle import tokens_streamed, tokens_used
 from gateway.tokens.cost import KvGeometry, RequestCost, blocks_for, estimate_cost
 from gateway.upstream.forwarder import Usage
 
@@ -148,3 +148,23 @@ def test_a_whole_answer_without_usage_is_billed_as_charged_not_as_nothing() -> N
     assert tokens_used(cost, None, 10, reached_engine=True) == 1010
     assert tokens_used(cost, None, 0, reached_engine=True) == 0
     assert tokens_used(cost, None, 0, reached_engine=False, whole_answer=True) == 0
+
+
+def test_a_batched_streams_events_count_the_tokens_they_carry_at_least() -> None:
+    """vLLM sends the first token at once, then one event per stream_interval tokens, the rest in the last."""
+    assert [tokens_streamed(e, 1) for e in range(5)] == [0, 1, 2, 3, 4]
+    assert [tokens_streamed(e, 8) for e in range(5)] == [0, 1, 2, 10, 18]
+    # 50 tokens by 8: 1, then six of 8, then the last 1: eight events, and 50 is what they carry at least
+    assert tokens_streamed(8, 8) == 50
+
+
+@given(st.integers(1, 500), st.integers(1, 64))
+def test_tokens_streamed_never_exceeds_what_vllms_events_carry(tokens: int, interval: int) -> None:
+    """However a stream of ``tokens`` is cut into events as vLLM cuts it, the count is a floor of the truth."""
+    events, pending = 0, 0
+    for i in range(tokens):
+        pending += 1
+        if i == tokens - 1 or i == 0 or pending >= interval:
+            events, pending = events + 1, 0
+    assert tokens_streamed(events, interval) <= tokens
+    assert tokens_streamed(events, interval) >= tokens - 2 * interval  # and not far below it

@@ -174,3 +174,14 @@ def test_a_priority_of_the_clients_own_is_refused_on_every_json_route(kind: str,
         with pytest.raises(GatewayError) as err:
             parse_body(kind, orjson.dumps({**body, "priority": refused}))  # type: ignore[arg-type]
         assert err.value.status == 400 and err.value.param == "priority"
+
+
+def test_stream_interval_is_read_as_vllm_reads_it() -> None:
+    """Tokens per streamed event (vLLM's ``stream_interval``, at least 1): kvgate counts a stream's progress by
+    its events."""
+    assert parse("completions", {"prompt": "a"}).stream_interval == 1
+    assert parse("chat", {"messages": [{"role": "user", "content": "a"}], "stream_interval": 8}).stream_interval == 8
+    for bad in (0, -1, "8", 2.5):
+        with pytest.raises(GatewayError) as err:
+            parse("completions", {"prompt": "a", "stream_interval": bad})
+        assert err.value.param == "stream_interval"
