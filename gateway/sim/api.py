@@ -64,6 +64,7 @@ class Plan:
     output_tokens: int | None = None  # the body's natural length; None: the server's distribution decides
     min_tokens: int = 0
     ignore_eos: bool = False
+    stream_interval: int = 1  # tokens per streamed event (vLLM's, raised to the server's --stream-interval)
 
 
 def token_text(index: int) -> str:
@@ -142,6 +143,7 @@ def plan_request(
         raise ApiError(400, "ignore_eos must be a boolean", "BadRequestError", "ignore_eos")
     natural = _int_field(body, SIM_OUTPUT_FIELD, minimum=1)
     stream = bool(body.get("stream", False))
+    stream_interval = _int_field(body, "stream_interval", minimum=1) or 1
     options = body.get("stream_options") or {}
     include_usage = bool(stream and isinstance(options, Mapping) and options.get("include_usage"))
     return Plan(
@@ -154,6 +156,7 @@ def plan_request(
         output_tokens=natural,
         min_tokens=min_tokens,
         ignore_eos=bool(ignore_eos),
+        stream_interval=stream_interval,
     )
 
 
@@ -198,9 +201,12 @@ class Renderer:
             "total_tokens": p + completion_tokens,
         }
 
-    def chunk(self, index: int, finish_reason: str | None) -> bytes:
-        """One SSE event carrying output token ``index``; an EOS (``stop``) token has no text, as in vLLM."""
-        text = "" if finish_reason == "stop" else token_text(index)
+    def chunk(self, index: int, finish_reason: str | None, last: int | None = None) -> bytes:
+        """One SSE event carrying output tokens ``index`` to ``last`` (``index`` alone by default: vLLM batches
+        several only under a ``stream_interval``); an EOS (``stop``) token has no text, as in vLLM."""
+        last = index if last is None else last
+        shown = last - 1 if finish_reason == "stop" else last
+        text = "".join(token_text(i) for i in range(index, shown + 1))
         if self.plan.kind == "chat":
             delta: dict[str, Any] = {"content": text}
             if index == 1:

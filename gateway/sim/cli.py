@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--max-num-queued-reqs", type=int, help="reject with 503 when this many requests wait")
+    p.add_argument("--stream-interval", type=int, help="tokens per streamed event (vLLM's flag; default 1)")
     p.add_argument(
         "--time-scale",
         type=float,
@@ -85,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_queued_reqs": args.max_num_queued_reqs,
+        "stream_interval": args.stream_interval,
         "output_tokens": args.output_tokens,
     }
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None}, seed=args.seed)

@@ -70,6 +70,7 @@ class SimConfig:
     runtime_overhead_bytes_per_gpu: float = 1.5 * GIB  # CUDA context, graphs, NCCL buffers
     activation_bytes_per_prefill_token: float = 512 * 1024
     max_num_queued_reqs: int | None = None
+    stream_interval: int = 1  # vLLM's --stream-interval: tokens per streamed event at least
     # Natural output lengths for requests that do not carry their own (``sim_output_tokens``); None: they
     # generate to max_tokens. Drawn from a generator seeded with ``seed`` (vLLM's --seed).
     output_tokens: OutputLengths | None = None

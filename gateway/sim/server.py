@@ -360,14 +360,22 @@ class SimServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
         sent = 0
+        # vLLM's output processor: the first token at once, then an event per stream_interval tokens (the
+        # request's, raised to the server's), and the rest when the request ends
+        interval = max(plan.stream_interval, self.cfg.stream_interval)
         while True:
-            if ch.produced == sent and not ch.finished and ch.error is None:
+            held = ch.produced - sent
+            if (held == 0 or (sent > 0 and held < interval)) and not ch.finished and ch.error is None:
                 ch.wake.clear()
                 await ch.wake.wait()
-            parts = [
-                renderer.chunk(i, ch.finish_reason if ch.finished and i == ch.produced else None)
-                for i in range(sent + 1, ch.produced + 1)
-            ]
+                continue
+            finish = ch.finish_reason if ch.finished else None
+            if interval == 1:
+                parts = [
+                    renderer.chunk(i, finish if i == ch.produced else None) for i in range(sent + 1, ch.produced + 1)
+                ]
+            else:
+                parts = [renderer.chunk(sent + 1, finish, ch.produced)] if ch.produced > sent else []
             sent = ch.produced
             if ch.error is not None:
                 parts.append(sse_error(ch.error))

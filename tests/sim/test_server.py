@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from pathlib import Path
 
@@ -78,6 +79,42 @@ def test_metrics_parse_and_match_reference_names(sim: StartSim) -> None:
     assert metric(text, "vllm:time_to_first_token_seconds_count") == 4
     assert metric(text, "vllm:request_success_total", finished_reason="length") == 4
     assert metric(text, "vllm:kv_cache_usage_perc") == 0.0
+
+
+@pytest.mark.parametrize("server_interval", [None, 8])
+def test_a_stream_interval_batches_tokens_into_events_as_vllm_does(sim: StartSim, server_interval: int | None) -> None:
+    """vLLM's stream_interval (the request's, raised to the server's --stream-interval): the first token at
+    once, then an event per interval, the rest in the last; the same text and usage as one event per token."""
+    flags = () if server_interval is None else ("--stream-interval", str(server_interval))
+    proc = sim(*FAST, "--kv-scale", "0.05", *flags)
+    client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0)
+
+    def stream(interval: int | None) -> list[str]:
+        chunks = client.completions.create(
+            model=MODEL,
+            prompt=list(range(40)),
+            max_tokens=50,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, **({"stream_interval": interval} if interval else {})},
+        )
+        texts, usage = [], None
+        for c in chunks:
+            if c.choices:
+                texts.append(c.choices[0].text)
+            usage = c.usage or usage
+        assert usage is not None and usage.completion_tokens == 50
+        return texts
+
+    plain, batched = stream(None), stream(8)
+    if server_interval is None:  # one event per token, and batched: the first, six of 8, the last one
+        assert len(plain) == 50
+        bounds = [0, 1, 9, 17, 25, 33, 41, 49, 50]
+        assert batched == ["".join(plain[a:b]) for a, b in itertools.pairwise(bounds)]
+    else:  # the server batches every stream alike
+        assert batched == plain and len(plain) == 8
+    bad = httpx.post(proc.url + "/v1/completions", json={"model": MODEL, "prompt": [1], "stream_interval": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stream_interval"
 
 
 def test_openai_client_shapes_and_vllm_errors(sim: StartSim) -> None:
