@@ -164,6 +164,27 @@ def test_completions_streaming(gateway: Proc) -> None:
     assert usage.prompt_tokens == hf_tokenizer().count("Once upon a time")
 
 
+def test_a_stream_interval_batches_events_as_the_simulators_do(engine: VllmEngine, gateway: Proc) -> None:
+    """What mini_vllm and ``kvgate sim`` copy of vLLM's stream_interval, on the real engine: 50 tokens by 8 are
+    the first at once, six events of 8, the last one; through kvgate, the same events."""
+    for url in (engine.base_url, gateway.url):
+        stream = client(url).completions.create(
+            model=MODEL_NAME,
+            prompt="Once upon a time",
+            max_tokens=50,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "stream_interval": 8},
+        )
+        events, usage = 0, None
+        for chunk in stream:
+            events += bool(chunk.choices)
+            usage = chunk.usage or usage
+        assert usage is not None and usage.completion_tokens == 50
+        assert events == 8, url
+
+
 def test_passthrough_models_and_tokenize(engine: VllmEngine, gateway: Proc) -> None:
     models = client(gateway.url).models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
