@@ -343,9 +343,9 @@ class Admitter:
                 self._restate_again.discard(engine)
                 self._restate_later(engine)
 
-    def progress(self, reservation: Reservation, generated: int) -> None:
+    def progress(self, reservation: Reservation, generated: int, lead_tokens: int = 0) -> None:
         cost = reservation.cost
-        self.controller.progress(reservation, generated, self.clock())
+        self.controller.progress(reservation, generated, self.clock(), lead_tokens)
         if reservation.cost is not cost:  # it outran its estimate: the other replicas must hear of it now
             self._restate_later(reservation.engine)
 

@@ -446,16 +446,18 @@ class AdmissionController:
     def cancel(self, ticket: Ticket) -> bool:
         return self.queue.remove(ticket)
 
-    def progress(self, res: Reservation, generated: int, now: float) -> None:
+    def progress(self, res: Reservation, generated: int, now: float, lead_tokens: int = 0) -> None:
+        """``generated``: output tokens seen (over all sequences, at least); ``lead_tokens``: how much further
+        per sequence the engine may be than that, beyond ``ENGINE_LEAD_TOKENS`` (a batched stream)."""
         book = self.engines.get(res.engine)
         if book is None or res.released:
             return
-        book.ledger.progress(res, generated, now)
+        book.ledger.progress(res, generated, now, lead_tokens)
         expected, full = res.cost.max_output, res.full.max_output
         if expected >= full:
             return  # holds its whole budget already
         seen = res.generated // max(1, res.cost.num_sequences)
-        if seen + ENGINE_LEAD_TOKENS >= expected and book.geometry is not None:
+        if seen + ENGINE_LEAD_TOKENS + res.lead_tokens >= expected and book.geometry is not None:
             # it outran its estimate: expect what the requests that went this far went on to, or its budget
             longer = self.lengths.quantile(res.key, self.caution.quantile, above=seen)
             cap = full if longer is None else max(longer, seen + 2 * ENGINE_LEAD_TOKENS)

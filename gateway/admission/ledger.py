@@ -41,7 +41,8 @@ class Reservation:
     prefix: tuple[int, ...] = ()  # its prompt's chunk hashes (prefix affinity), recorded once it takes effect
     outran: bool = False  # has grown past its first estimate
     first_token_at: float | None = None
-    generated: int = 0
+    generated: int = 0  # output tokens seen over all sequences: what the engine holds at least
+    lead_tokens: int = 0  # per sequence, how much further the engine may be beyond ENGINE_LEAD_TOKENS
     in_sample_blocks: int = 0
     pending_sample_blocks: int = 0
     projected_usage: float = 0.0  # projected KV usage (0..1) when it was admitted
@@ -88,13 +89,17 @@ class Ledger:
         self.reserved_count += 1
         return res
 
-    def progress(self, res: Reservation, generated: int, now: float) -> None:
-        """Record output seen so far (tokens over all sequences); the first call marks the first token."""
-        if res.released or generated <= res.generated:
+    def progress(self, res: Reservation, generated: int, now: float, lead_tokens: int = 0) -> None:
+        """Record output seen so far (tokens over all sequences, at least; ``lead_tokens`` per sequence more
+        the engine may hold: a batched stream); the first call marks the first token."""
+        if res.released:
+            return
+        res.lead_tokens = max(res.lead_tokens, lead_tokens)
+        if generated <= res.generated and res.first_token_at is not None:
             return
         if res.first_token_at is None:
             res.first_token_at = now
-        res.generated = generated
+        res.generated = max(res.generated, generated)
 
     def resize(self, res: Reservation, cost: RequestCost) -> None:
         """A live request is now expected to hold ``cost`` (it outran its estimate); the books follow."""
@@ -169,8 +174,9 @@ class Ledger:
                 continue
             seen = min(cost.max_output, res.generated // max(1, cost.num_sequences))
             remaining = max(1, cost.max_output - seen)  # done generating: holds its blocks until it ends
-            # sized as if the engine were ENGINE_LEAD_TOKENS ahead, timed as if it were not: both err safe
-            decoding.append((remaining, res, seen + ENGINE_LEAD_TOKENS))
+            # sized as if the engine were ENGINE_LEAD_TOKENS ahead (and a batched stream's lead), timed as if it
+            # were not: both err safe
+            decoding.append((remaining, res, seen + ENGINE_LEAD_TOKENS + res.lead_tokens))
         decoding.sort(key=_remaining, reverse=True)
         if len(decoding) <= EXACT_LIMIT and _sequences(decoding) > slack_blocks:
             return fixed + self._peak_exact(decoding)

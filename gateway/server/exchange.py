@@ -18,7 +18,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError
 from gateway.server.hints import NO_HINTS
 from gateway.server.response import ResponseWriter
-from gateway.server.settle import tokens_streamed, tokens_used
+from gateway.server.settle import stream_lead, tokens_streamed, tokens_used
 from gateway.tenants.counters import Charge, TenantCounters
 from gateway.tenants.policy import TenantPolicy
 from gateway.tenants.ratelimit import ratelimit_headers
@@ -145,9 +145,11 @@ class Exchange:
     def progress(self, events: int) -> None:
         """The engine's answer has got this far (SSE events relayed: the tokens they carry at least, give or
         take the events that carry none, a chat's role, the usage, ``[DONE]``); the ledger learns it too."""
-        self.generated = tokens_streamed(events, self.stream_interval)
+        sequences = self.cost.num_sequences if self.cost is not None else 1
+        self.generated = tokens_streamed(events, self.stream_interval, sequences)
         if self.admission is not None:
-            self._admitter.progress(self.admission.reservation, self.generated)
+            lead = stream_lead(events, self.stream_interval, sequences)
+            self._admitter.progress(self.admission.reservation, self.generated, lead)
 
     def reply_headers(self) -> list[tuple[bytes, bytes]]:
         """What the client's response says beside the engine's headers: request id, rate limits, the wait."""

@@ -13,14 +13,30 @@ from gateway.tokens.cost import RequestCost
 from gateway.upstream.forwarder import Usage
 
 
-def tokens_streamed(events: int, stream_interval: int) -> int:
-    """The fewest output tokens ``events`` SSE events carry. vLLM sends a stream's first token at once, then
-    one event per ``stream_interval`` tokens (the request's, or the engine's ``--stream-interval`` if larger),
-    and the last event with what is left: counting events alone would see a request batched by 100 as 1/100th
-    of its length."""
-    if stream_interval <= 1 or events <= 2:
+def tokens_streamed(events: int, stream_interval: int, sequences: int = 1) -> int:
+    """The fewest output tokens ``events`` relayed SSE events carry, over ``sequences`` sequences. vLLM sends
+    each sequence's first token at once, then one event per ``stream_interval`` tokens (the request's, or the
+    engine's ``--stream-interval`` if larger), and its last event with what is left: counting events alone
+    would see a request batched by 100 as 1/100th of its length. The relay counts every event, so up to
+    ``sequences`` + 2 of them carry none (a chat's role chunks, the usage, ``[DONE]``), and two per sequence
+    may carry one. Unbatched (1), the event count itself, as before: a few events over."""
+    if stream_interval <= 1:
         return events
-    return 2 + (events - 2) * stream_interval
+    carrying = events - sequences - 2
+    if carrying <= 0:
+        return 0
+    short = min(carrying, 2 * sequences)
+    return short + (carrying - short) * stream_interval
+
+
+def stream_lead(events: int, stream_interval: int, sequences: int = 1) -> int:
+    """How many tokens per sequence the engine may be past :func:`tokens_streamed`: every event full (at most
+    ``stream_interval`` tokens each, one per decoding step), and up to ``stream_interval - 1`` generated but
+    not yet sent. 0 for an unbatched stream (the ledger's own lead covers it)."""
+    if stream_interval <= 1:
+        return 0
+    shortfall = events * stream_interval - tokens_streamed(events, stream_interval, sequences)
+    return -(-shortfall // max(1, sequences)) + stream_interval - 1
 
 
 def tokens_used(

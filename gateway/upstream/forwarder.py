@@ -50,6 +50,7 @@ _FORWARDED_UP_WITH_KEY = _FORWARDED_UP | {b"authorization"}
 # client is told its own (or kvgate's) id, once.
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {b"content-length", b"date", b"server", b"x-request-id"}
 _TAIL_BYTES = 4096
+_DONE = b"data: [DONE]\n\n"  # the last event of a chat or completions stream
 BUSY_RETRY_AFTER_S = 1.0
 
 
@@ -285,13 +286,21 @@ class Forwarder:
         tail = first[-_TAIL_BYTES:]
         await writer.body(first, more=True)
         on_progress(events)
-        while (chunk := await resp.next_chunk()) is not None:
+        done = tail.endswith(_DONE)
+        while not done and (chunk := await resp.next_chunk()) is not None:
             await writer.body(chunk, more=True)
             events += chunk.count(b"data:")
             on_progress(events)
             tail = (tail + chunk)[-_TAIL_BYTES:]
+            done = tail.endswith(_DONE)
+        # The answer is whole at [DONE]: end the client's response there. An SDK closes its connection as it
+        # reads [DONE], often before the engine's own response has ended, and that close must not count as
+        # a client gone mid-answer (cancelled: no usage learned, billed as cut short).
         await writer.body(b"")
         self.metrics.latency.observe(time.perf_counter() - started)
+        if done:
+            while await resp.next_chunk() is not None:
+                pass  # nothing follows [DONE]; read the engine's response to its end, for its connection's reuse
         return Relayed(_usage_from_tail(tail), _ends_in_error(tail))
 
     async def passthrough(

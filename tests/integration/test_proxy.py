@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import base64
 import itertools
+import time
 from collections.abc import Callable
 
 import httpx
 import openai
 import pytest
 
-from tests.support.promtext import assert_ledger_empty, scrape
+from tests.support.promtext import assert_ledger_empty, metric_sum, scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -257,29 +258,25 @@ def test_health_and_readiness(mini_vllm: Callable[..., str], gateway: Callable[.
     assert scrape(gw)["kvgate_scrape_errors_total"] >= 1
 
 
-@pytest.mark.parametrize("engine_interval", [1, 8])
-def test_a_batched_stream_neither_teaches_short_output_lengths_nor_bills_as_its_event_count(
-    mini_vllm: Callable[..., str], gateway: Callable[..., str], engine_interval: int
+def test_a_client_that_closes_on_done_has_had_its_whole_answer(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
 ) -> None:
-    """vLLM's stream_interval (the request's, or the engine's --stream-interval) puts many tokens in one SSE
-    event. A stream without usage then teaches kvgate no output length: its event count (8 for 50 tokens by 8)
-    would have made every later request of the tenant reserve a sixth of what it produces. (What it bills and
-    how far kvgate sees it go: tests/unit/test_admitter.py.)"""
-    upstream = mini_vllm(stream_interval=engine_interval)
-    config = {
-        "tokenizer": "heuristic",
-        "upstream": {"stream_interval": engine_interval},
-        "admission": {"output_estimate": {"min_samples": 4}},
-    }
-    gw = gateway(upstream, config)
+    """The OpenAI SDK closes its connection as it reads ``data: [DONE]``, before the engine's response has
+    ended (here 300 ms later). Each such stream completed: its usage is learned and settled, not counted as a
+    client gone mid-answer (which cancelled it: no output length learned, billed as cut short)."""
+    upstream = mini_vllm(eof_delay_ms=300)
+    gw = gateway(upstream, {"tokenizer": "heuristic"})
     client = openai.OpenAI(base_url=gw + "/v1", api_key="x", max_retries=0)
-    interval = {} if engine_interval > 1 else {"stream_interval": 8}  # else the engine batches them itself
-    for _ in range(6):
+    for _ in range(3):
         stream = client.completions.create(
-            model="mini", prompt="hello there", max_tokens=50, stream=True, extra_body=interval
+            model="mini", prompt="hello there", max_tokens=5, stream=True, stream_options={"include_usage": True}
         )
-        events = [chunk for chunk in stream if chunk.choices]
-        assert len(events) == 8 and "".join(e.choices[0].text for e in events) == " tok" * 50
-    reply = client.completions.with_raw_response.create(model="mini", prompt="hello there", max_tokens=50)
-    assert reply.headers["x-kvgate-expected-output-tokens"] == "50"  # still the whole budget: nothing learned
+        assert [c.usage.completion_tokens for c in stream if c.usage is not None] == [5]
+    deadline = time.monotonic() + 60  # each exchange ends when the engine's response does, 300 ms after [DONE]
+    while metric_sum(metrics := scrape(gw), "kvgate_reservations_released_total", default=0.0) < 3:
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.05)
+    assert metric_sum(metrics, "kvgate_reservations_released_total", outcome="completed") == 3
+    assert metric_sum(metrics, "kvgate_completion_tokens_total") == 15
+    assert metric_sum(metrics, "kvgate_client_disconnects_total", default=0.0) == 0
     assert_ledger_empty(gw)

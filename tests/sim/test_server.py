@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -13,6 +14,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.sim.api import SIM_OUTPUT_FIELD
 from tests.sim.conftest import StartSim
 from tests.support.promtext import metric_sum, parse_metrics
 
@@ -240,3 +242,36 @@ def test_oom_exit_mode_kills_the_process(sim: StartSim) -> None:
     assert any(r.status_code == 500 for r in responses)
     assert proc.popen.wait(timeout=30) == 1
     assert "CUDA out of memory" in proc.log()
+
+
+@pytest.mark.parametrize("engine_interval", [1, 8])
+def test_kvgate_learns_no_output_length_from_a_batched_streams_events(
+    sim: StartSim, gateway: Callable[..., str], engine_interval: int
+) -> None:
+    """vLLM's stream_interval (the request's, or the engine's --stream-interval) puts many tokens in one SSE
+    event. Through kvgate, streams that stop at 60 of a 400-token budget, batched by 8 and without usage:
+    their events are a floor of their length, not a length, so kvgate learns nothing from them and the next
+    request still reserves its whole budget (it learned ~9 per stream, reserving 1/7th of what they produce,
+    when it counted events as tokens). The same streams with usage teach 60."""
+    flags = () if engine_interval == 1 else ("--stream-interval", str(engine_interval))
+    proc = sim(*FAST, "--kv-scale", "0.05", *flags)
+    config = {
+        "tokenizer": "heuristic",
+        "upstream": {"stream_interval": engine_interval},
+        "admission": {"output_estimate": {"min_samples": 4}},
+    }
+    client = openai.OpenAI(base_url=gateway(proc.url, config) + "/v1", api_key="x", max_retries=0)
+    body = {SIM_OUTPUT_FIELD: 60, **({} if engine_interval > 1 else {"stream_interval": 8})}
+
+    def expected_after(usage: bool) -> str:
+        for _ in range(6):
+            options = {"stream_options": {"include_usage": True}} if usage else {}
+            stream = client.completions.create(
+                model=MODEL, prompt=list(range(40)), max_tokens=400, stream=True, extra_body=body, **options
+            )
+            assert sum(bool(c.choices) for c in stream) == 9  # 60 tokens: 1, seven of 8, 3
+        reply = client.completions.with_raw_response.create(model=MODEL, prompt=list(range(40)), max_tokens=400)
+        return reply.headers["x-kvgate-expected-output-tokens"]
+
+    assert expected_after(usage=False) == "400"  # nothing learned: the whole budget
+    assert expected_after(usage=True) == "60"

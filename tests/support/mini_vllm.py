@@ -51,6 +51,7 @@ class State:
     started: list[float] = field(default_factory=list)
     busy_rejections: int = 0
     stream_interval: int = 1  # vLLM's --stream-interval
+    eof_delay_s: float = 0.0  # between a stream's [DONE] and the end of its response
     seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, raw target, x-request-id), no /debug/
     priorities: dict[str, int] = field(default_factory=dict)  # x-request-id -> the priority vLLM would schedule by
     process_started: float = field(default_factory=time.time)  # vLLM's process_start_time_seconds
@@ -189,6 +190,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 + b"\n\n"
             )
         await resp.write(b"data: [DONE]\n\n")
+        if st.eof_delay_s > 0:  # the response's end, after [DONE], arrives a moment later (a busy server)
+            await asyncio.sleep(st.eof_delay_s)
         await resp.write_eof()
         st.completed += 1
         return resp
@@ -354,6 +357,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
         args.num_blocks, args.block_size, args.max_model_len, args.token_delay_ms / 1000, args.busy_after, args.model
     )
     app["state"].stream_interval = getattr(args, "stream_interval", 1)
+    app["state"].eof_delay_s = getattr(args, "eof_delay_ms", 0.0) / 1000
     app["tokenize_fault"] = getattr(args, "tokenize_fault", "none")
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
@@ -382,6 +386,7 @@ def main() -> None:
     p.add_argument("--busy-after", type=int, default=None, help="reject like vLLM's --max-num-queued-reqs")
     p.add_argument("--model", default="mini")
     p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed event, as vLLM's flag")
+    p.add_argument("--eof-delay-ms", type=float, default=0.0, help="end a stream's response this long after [DONE]")
     p.add_argument("--tokenize-fault", choices=TOKENIZE_FAULTS, default="none", help="break /tokenize this way")
     args = p.parse_args()
     try:

@@ -3,7 +3,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.protocol.errors import GatewayError
-from gateway.server.settle import tokens_streamed, tokens_used
+from gateway.server.settle import stream_lead, tokens_streamed, tokens_used
 from gateway.tokens.cost import KvGeometry, RequestCost, blocks_for, estimate_cost
 from gateway.upstream.forwarder import Usage
 
@@ -151,20 +151,48 @@ def test_a_whole_answer_without_usage_is_billed_as_charged_not_as_nothing() -> N
 
 
 def test_a_batched_streams_events_count_the_tokens_they_carry_at_least() -> None:
-    """vLLM sends the first token at once, then one event per stream_interval tokens, the rest in the last."""
+    """Unbatched, the event count as before; batched by 8, events less the ones that may carry nothing (role,
+    usage, [DONE]), two per sequence at one token, the rest at 8."""
     assert [tokens_streamed(e, 1) for e in range(5)] == [0, 1, 2, 3, 4]
-    assert [tokens_streamed(e, 8) for e in range(5)] == [0, 1, 2, 10, 18]
-    # 50 tokens by 8: 1, then six of 8, then the last 1: eight events, and 50 is what they carry at least
-    assert tokens_streamed(8, 8) == 50
+    assert [tokens_streamed(e, 8) for e in range(8)] == [0, 0, 0, 0, 1, 2, 10, 18]
+    assert tokens_streamed(9, 8) == 34 and stream_lead(9, 8) == 45  # 50 tokens by 8, and [DONE]
+    assert stream_lead(9, 1) == 0
 
 
-@given(st.integers(1, 500), st.integers(1, 64))
-def test_tokens_streamed_never_exceeds_what_vllms_events_carry(tokens: int, interval: int) -> None:
-    """However a stream of ``tokens`` is cut into events as vLLM cuts it, the count is a floor of the truth."""
-    events, pending = 0, 0
-    for i in range(tokens):
-        pending += 1
-        if i == tokens - 1 or i == 0 or pending >= interval:
-            events, pending = events + 1, 0
-    assert tokens_streamed(events, interval) <= tokens
-    assert tokens_streamed(events, interval) >= tokens - 2 * interval  # and not far below it
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    st.integers(1, 64),
+    st.booleans(),
+    st.booleans(),
+    st.data(),
+)
+def test_a_batched_stream_lies_between_its_floor_and_its_lead(
+    lengths: list[int], interval: int, chat: bool, usage: bool, data: st.DataObject
+) -> None:
+    """Sequences of ``lengths`` tokens cut into events as vLLM cuts them (each its first token at once, then
+    per ``interval``, the rest at the end; a chat's role chunks first; the usage and [DONE] last), read at any
+    point of the stream: what the engine has generated lies between the floor and the floor plus the lead
+    per sequence."""
+    n = len(lengths)
+    timeline: list[int] = [0] * n if chat else []  # per event, the tokens it carries, in the order relayed
+    produced_at: list[int] = [0] * n if chat else []  # tokens the engine had generated when it was sent
+    made = 0
+    pending = [0] * n
+    for step in range(max(lengths)):
+        for s, length in enumerate(lengths):
+            if step >= length:
+                continue
+            pending[s] += 1
+            made += 1
+            if step == 0 or step == length - 1 or pending[s] >= interval:
+                timeline.append(pending[s])
+                produced_at.append(made)
+                pending[s] = 0
+    timeline += [0] * (int(usage) + 1)
+    produced_at += [made] * (int(usage) + 1)
+    seen = data.draw(st.integers(1, len(timeline)))
+    carried = sum(timeline[:seen])
+    floor = tokens_streamed(seen, interval, n) if interval > 1 else carried
+    assert floor <= carried
+    if interval > 1:
+        assert produced_at[seen - 1] <= floor + n * stream_lead(seen, interval, n)
