@@ -209,8 +209,6 @@ class Renderer:
         text = "".join(token_text(i) for i in range(index, shown + 1))
         if self.plan.kind == "chat":
             delta: dict[str, Any] = {"content": text}
-            if index == 1:
-                delta = {"role": "assistant", "content": text}
             choice: dict[str, Any] = {
                 "index": 0,
                 "delta": delta,
@@ -233,6 +231,12 @@ class Renderer:
             "choices": [choice],
         }
         return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def role_chunk(self) -> bytes:
+        """A chat stream's first event, as vLLM sends it before any token: the role, and empty content."""
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        obj = {"id": self.id, "object": self.object, "created": self.created, "model": self.plan.model}
+        return b"data: " + orjson.dumps({**obj, "choices": [choice]}) + b"\n\n"
 
     def usage_chunk(self, completion_tokens: int) -> bytes:
         obj = {

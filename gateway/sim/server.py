@@ -370,12 +370,14 @@ class SimServer:
                 await ch.wake.wait()
                 continue
             finish = ch.finish_reason if ch.finished else None
+            role = [renderer.role_chunk()] if sent == 0 and plan.kind == "chat" and ch.produced > 0 else []
             if interval == 1:
                 parts = [
                     renderer.chunk(i, finish if i == ch.produced else None) for i in range(sent + 1, ch.produced + 1)
                 ]
             else:
                 parts = [renderer.chunk(sent + 1, finish, ch.produced)] if ch.produced > sent else []
+            parts = role + parts
             sent = ch.produced
             if ch.error is not None:
                 parts.append(sse_error(ch.error))

@@ -232,6 +232,7 @@ def test_http_finish_reasons_usage_and_server_distribution(sim: StartSim) -> Non
                 if line.startswith("data: {"):
                     events.append(orjson.loads(line[6:]))
         content = [e for e in events if e["choices"]]
+        assert content.pop(0)["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # vLLM's first event
         assert len(content) == 6
         assert [e["choices"][0]["finish_reason"] for e in content] == [None] * 5 + ["stop"]
         assert content[-1]["choices"][0]["delta"]["content"] == ""

@@ -135,8 +135,9 @@ def test_openai_client_shapes_and_vllm_errors(sim: StartSim) -> None:
             extra_body={"ignore_eos": True},
         )
     )
-    content = [c for c in chunks if c.choices]
-    assert len(content) == 7 and content[-1].choices[0].finish_reason == "length"
+    content = [c for c in chunks if c.choices]  # as vLLM: the role first, with no token, then one per token
+    assert content[0].choices[0].delta.role == "assistant" and content[0].choices[0].delta.content == ""
+    assert len(content) == 8 and content[-1].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 7
     counted = httpx.post(
