@@ -460,7 +460,7 @@ class AdmissionController:
         if seen + ENGINE_LEAD_TOKENS + res.lead_tokens >= expected and book.geometry is not None:
             # it outran its estimate: expect what the requests that went this far went on to, or its budget
             longer = self.lengths.quantile(res.key, self.caution.quantile, above=seen)
-            cap = full if longer is None else max(longer, seen + 2 * ENGINE_LEAD_TOKENS)
+            cap = full if longer is None else max(longer, seen + res.lead_tokens + 2 * ENGINE_LEAD_TOKENS)
             book.ledger.resize(res, res.full.capped(cap, book.geometry.block_size))
             if not res.outran:
                 res.outran = True

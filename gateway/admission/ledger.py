@@ -160,7 +160,8 @@ class Ledger:
         sorted by remaining tokens. Each sequence is assumed ``ENGINE_LEAD_TOKENS`` ahead of what the gateway
         has seen of it (the stream trails the engine). Up to ``EXACT_LIMIT`` decoding requests the blocks are
         counted exactly, O(n^2); beyond that, running sums with per-sequence rounding bounded from above,
-        O(n log n), which overstates by at most one block per sequence (more for a batch whose prompts have
+        O(n log n), which overstates by at most one block per sequence, and a batched stream's lead (rounded up
+        to blocks) more, the lead being added to its whole growth (more also for a batch whose prompts have
         shorter budgets than its longest: they are counted as growing to it). That bound is also taken whenever
         one block per decoding sequence is within ``slack_blocks``: a large pool need not pay the exact count's
         CPU at every admission decision for a difference it cannot tell.
@@ -174,9 +175,12 @@ class Ledger:
                 continue
             seen = min(cost.max_output, res.generated // max(1, cost.num_sequences))
             remaining = max(1, cost.max_output - seen)  # done generating: holds its blocks until it ends
-            # sized as if the engine were ENGINE_LEAD_TOKENS ahead (and a batched stream's lead), timed as if it
-            # were not: both err safe
-            decoding.append((remaining, res, seen + ENGINE_LEAD_TOKENS + res.lead_tokens))
+            # sized as if the engine were ENGINE_LEAD_TOKENS ahead (and a batched stream's lead, never past its
+            # budget), timed as if it were not: both err safe
+            held = seen + ENGINE_LEAD_TOKENS
+            if res.lead_tokens:
+                held = max(held, min(held + res.lead_tokens, cost.max_output))
+            decoding.append((remaining, res, held))
         decoding.sort(key=_remaining, reverse=True)
         if len(decoding) <= EXACT_LIMIT and _sequences(decoding) > slack_blocks:
             return fixed + self._peak_exact(decoding)

@@ -60,6 +60,7 @@ class Exchange:
         self.admission: Admission | None = None
         self.reached_engine = False
         self.stream_interval = 1  # tokens per SSE event the engine batches (vLLM's stream_interval)
+        self.chat = False  # its stream opens with role chunks that carry no token
         self.generated = 0  # output tokens relayed so far, at least (from the SSE events)
         self.usage: Usage | None = None
         self.broke_off = False  # its 200 stream ended in the engine's error event
@@ -145,10 +146,13 @@ class Exchange:
     def progress(self, events: int) -> None:
         """The engine's answer has got this far (SSE events relayed: the tokens they carry at least, give or
         take the events that carry none, a chat's role, the usage, ``[DONE]``); the ledger learns it too."""
+        if events == 0:
+            return  # nothing has come of the engine's answer yet
         sequences = self.cost.num_sequences if self.cost is not None else 1
         self.generated = tokens_streamed(events, self.stream_interval, sequences)
         if self.admission is not None:
-            lead = stream_lead(events, self.stream_interval, sequences)
+            opening = sequences if self.chat else 0
+            lead = stream_lead(events, self.stream_interval, sequences, opening)
             self._admitter.progress(self.admission.reservation, self.generated, lead)
 
     def reply_headers(self) -> list[tuple[bytes, bytes]]:

@@ -149,6 +149,7 @@ class RequestPath:
         await self.arrivals.turn()  # in a burst, a few per loop iteration: the admitted ones' I/O goes on
         request = await _parse(body_kind, raw)
         exchange.stream_interval = max(request.stream_interval, self.stream_interval)  # vLLM takes the larger
+        exchange.chat = request.messages is not None
         # 3. estimate cost (tokenizing long prompts off the event loop)
         cost = await self.costs.estimate(request)
         # 4. rate limit (pre-charges prompt + reserved output; shared across replicas when Redis is configured)

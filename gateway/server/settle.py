@@ -29,13 +29,18 @@ def tokens_streamed(events: int, stream_interval: int, sequences: int = 1) -> in
     return short + (carrying - short) * stream_interval
 
 
-def stream_lead(events: int, stream_interval: int, sequences: int = 1) -> int:
-    """How many tokens per sequence the engine may be past :func:`tokens_streamed`: every event full (at most
-    ``stream_interval`` tokens each, one per decoding step), and up to ``stream_interval - 1`` generated but
-    not yet sent. 0 for an unbatched stream (the ledger's own lead covers it)."""
+def stream_lead(events: int, stream_interval: int, sequences: int = 1, opening: int = 0) -> int:
+    """How many tokens per sequence the engine may be past :func:`tokens_streamed`: each sequence's first
+    event one token, every later event full (at most ``stream_interval`` tokens, one per decoding step), and
+    up to ``stream_interval - 1`` generated but not yet sent. ``opening``: the events a stream starts with that
+    carry no token (a chat's role chunks, one per sequence). 0 for an unbatched stream (the ledger's own lead
+    covers it)."""
     if stream_interval <= 1:
         return 0
-    shortfall = events * stream_interval - tokens_streamed(events, stream_interval, sequences)
+    carrying = max(0, events - opening)
+    firsts = min(carrying, sequences)
+    most = firsts + (carrying - firsts) * stream_interval
+    shortfall = max(0, most - tokens_streamed(events, stream_interval, sequences))
     return -(-shortfall // max(1, sequences)) + stream_interval - 1
 
 

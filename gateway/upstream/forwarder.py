@@ -10,6 +10,7 @@ response head until the first chunk has arrived so that both can become a proper
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -283,24 +284,26 @@ class Forwarder:
             raise engine_busy(BUSY_RETRY_AFTER_S)
         await writer.start(200, [*relayed_headers(resp.headers), *extra_headers])
         events = first.count(b"data:")
+        # The answer is whole at [DONE]: the client's response ends with the chunk that carries it. An SDK
+        # closes its connection as it reads [DONE], often before the engine's own response has ended, and that
+        # close must not count as a client gone mid-answer (cancelled: no usage learned, billed as cut short).
         tail = first[-_TAIL_BYTES:]
-        await writer.body(first, more=True)
-        on_progress(events)
         done = tail.endswith(_DONE)
+        await writer.body(first, more=not done)
+        on_progress(events)
         while not done and (chunk := await resp.next_chunk()) is not None:
-            await writer.body(chunk, more=True)
-            events += chunk.count(b"data:")
-            on_progress(events)
             tail = (tail + chunk)[-_TAIL_BYTES:]
             done = tail.endswith(_DONE)
-        # The answer is whole at [DONE]: end the client's response there. An SDK closes its connection as it
-        # reads [DONE], often before the engine's own response has ended, and that close must not count as
-        # a client gone mid-answer (cancelled: no usage learned, billed as cut short).
-        await writer.body(b"")
+            await writer.body(chunk, more=not done)
+            events += chunk.count(b"data:")
+            on_progress(events)
+        if not done:
+            await writer.body(b"")
         self.metrics.latency.observe(time.perf_counter() - started)
-        if done:
-            while await resp.next_chunk() is not None:
-                pass  # nothing follows [DONE]; read the engine's response to its end, for its connection's reuse
+        if done:  # nothing follows [DONE]: read the engine's response to its end, for its connection's reuse
+            with contextlib.suppress(UpstreamError, TimeoutError):  # the answer is whole whatever happens now
+                while await resp.next_chunk() is not None:
+                    pass
         return Relayed(_usage_from_tail(tail), _ends_in_error(tail))
 
     async def passthrough(

@@ -155,7 +155,10 @@ def test_a_batched_streams_events_count_the_tokens_they_carry_at_least() -> None
     usage, [DONE]), two per sequence at one token, the rest at 8."""
     assert [tokens_streamed(e, 1) for e in range(5)] == [0, 1, 2, 3, 4]
     assert [tokens_streamed(e, 8) for e in range(8)] == [0, 0, 0, 0, 1, 2, 10, 18]
-    assert tokens_streamed(9, 8) == 34 and stream_lead(9, 8) == 45  # 50 tokens by 8, and [DONE]
+    # 50 tokens by 8, and [DONE]: 34 at least, and at most 1 + 8 x 8 sent, 7 more unsent: 38 past the floor
+    assert tokens_streamed(9, 8) == 34 and stream_lead(9, 8) == 38
+    # a chat with interval 100: its role chunk and first token say 0 at least, at most 1 + 99 unsent
+    assert tokens_streamed(2, 100) == 0 and stream_lead(2, 100, opening=1) == 100
     assert stream_lead(9, 1) == 0
 
 
@@ -195,4 +198,6 @@ def test_a_batched_stream_lies_between_its_floor_and_its_lead(
     floor = tokens_streamed(seen, interval, n) if interval > 1 else carried
     assert floor <= carried
     if interval > 1:
-        assert produced_at[seen - 1] <= floor + n * stream_lead(seen, interval, n)
+        lead = stream_lead(seen, interval, n, opening=n if chat else 0)
+        assert produced_at[seen - 1] + n * (interval - 1) >= carried  # (the model itself: sent <= made)
+        assert produced_at[seen - 1] <= floor + n * lead
