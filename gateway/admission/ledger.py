@@ -94,12 +94,10 @@ class Ledger:
         the engine may hold: a batched stream); the first call marks the first token."""
         if res.released:
             return
-        res.lead_tokens = max(res.lead_tokens, lead_tokens)
-        if generated <= res.generated and res.first_token_at is not None:
-            return
         if res.first_token_at is None:
             res.first_token_at = now
         res.generated = max(res.generated, generated)
+        res.lead_tokens = max(res.lead_tokens, lead_tokens)
 
     def resize(self, res: Reservation, cost: RequestCost) -> None:
         """A live request is now expected to hold ``cost`` (it outran its estimate); the books follow."""

@@ -143,23 +143,28 @@ def test_completions_non_streaming_text_and_token_ids(engine: VllmEngine, gatewa
     assert (by_ids.usage.prompt_tokens, by_ids.usage.completion_tokens) == (300, 5)
 
 
-def test_completions_streaming(gateway: Proc) -> None:
-    stream = client(gateway.url).completions.create(
+def stream_completion(url: str, max_tokens: int, **extra: object) -> tuple[list[str], Any]:
+    """A greedy streamed completion of "Once upon a time" run to ``max_tokens``: each event's text, the usage."""
+    stream = client(url).completions.create(
         model=MODEL_NAME,
         prompt="Once upon a time",
-        max_tokens=20,
+        max_tokens=max_tokens,
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, **extra},
     )
-    text, usage = "", None
+    texts, usage = [], None
     for chunk in stream:
         if chunk.choices:
-            text += chunk.choices[0].text
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert text
+            texts.append(chunk.choices[0].text)
+        usage = chunk.usage or usage
+    return texts, usage
+
+
+def test_completions_streaming(gateway: Proc) -> None:
+    texts, usage = stream_completion(gateway.url, 20)
+    assert "".join(texts)
     assert usage is not None and usage.completion_tokens == 20
     assert usage.prompt_tokens == hf_tokenizer().count("Once upon a time")
 
@@ -168,21 +173,9 @@ def test_a_stream_interval_batches_events_as_the_simulators_do(engine: VllmEngin
     """What mini_vllm and ``kvgate sim`` copy of vLLM's stream_interval, on the real engine: 50 tokens by 8 are
     the first at once, six events of 8, the last one; through kvgate, the same events."""
     for url in (engine.base_url, gateway.url):
-        stream = client(url).completions.create(
-            model=MODEL_NAME,
-            prompt="Once upon a time",
-            max_tokens=50,
-            temperature=0.0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True, "stream_interval": 8},
-        )
-        events, usage = 0, None
-        for chunk in stream:
-            events += bool(chunk.choices)
-            usage = chunk.usage or usage
+        texts, usage = stream_completion(url, 50, stream_interval=8)
         assert usage is not None and usage.completion_tokens == 50
-        assert events == 8, url
+        assert len(texts) == 8, url
 
 
 def test_passthrough_models_and_tokenize(engine: VllmEngine, gateway: Proc) -> None:

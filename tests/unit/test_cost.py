@@ -164,7 +164,7 @@ def test_a_batched_streams_events_count_the_tokens_they_carry_at_least() -> None
 
 @given(
     st.lists(st.integers(1, 300), min_size=1, max_size=4),
-    st.integers(1, 64),
+    st.integers(2, 64),
     st.booleans(),
     st.booleans(),
     st.data(),
@@ -174,11 +174,12 @@ def test_a_batched_stream_lies_between_its_floor_and_its_lead(
 ) -> None:
     """Sequences of ``lengths`` tokens cut into events as vLLM cuts them (each its first token at once, then
     per ``interval``, the rest at the end; a chat's role chunks first; the usage and [DONE] last), read at any
-    point of the stream: what the engine has generated lies between the floor and the floor plus the lead
-    per sequence."""
+    point of the stream: the tokens the events so far carry are at least the floor, and what the engine has
+    made until its next event (less the tokens of that event's own step, ENGINE_LEAD_TOKENS' part) at most
+    the floor plus the lead per sequence."""
     n = len(lengths)
     timeline: list[int] = [0] * n if chat else []  # per event, the tokens it carries, in the order relayed
-    produced_at: list[int] = [0] * n if chat else []  # tokens the engine had generated when it was sent
+    made_by: list[int] = [0] * n if chat else []  # tokens the engine had made when the event was sent
     made = 0
     pending = [0] * n
     for step in range(max(lengths)):
@@ -189,15 +190,12 @@ def test_a_batched_stream_lies_between_its_floor_and_its_lead(
             made += 1
             if step == 0 or step == length - 1 or pending[s] >= interval:
                 timeline.append(pending[s])
-                produced_at.append(made)
+                made_by.append(made)
                 pending[s] = 0
     timeline += [0] * (int(usage) + 1)
-    produced_at += [made] * (int(usage) + 1)
+    made_by += [made] * (int(usage) + 1)
     seen = data.draw(st.integers(1, len(timeline)))
-    carried = sum(timeline[:seen])
-    floor = tokens_streamed(seen, interval, n) if interval > 1 else carried
-    assert floor <= carried
-    if interval > 1:
-        lead = stream_lead(seen, interval, n, opening=n if chat else 0)
-        assert produced_at[seen - 1] + n * (interval - 1) >= carried  # (the model itself: sent <= made)
-        assert produced_at[seen - 1] <= floor + n * lead
+    floor = tokens_streamed(seen, interval, n)
+    assert floor <= sum(timeline[:seen])
+    before_next = made_by[seen] - n if seen < len(made_by) else made
+    assert before_next <= floor + n * stream_lead(seen, interval, n, opening=n if chat else 0)
