@@ -281,9 +281,10 @@ class Admitter:
         tokens = metrics.tenant_admitted_tokens.labels(reservation.tenant, PRIORITIES[qclass.priority])
         tokens.inc(reservation.cost.total_tokens)
 
-    def learn(self, reservation: Reservation, completion_tokens: int) -> None:
-        """A request completed with ``completion_tokens``: the output-length estimate learns it."""
-        self.controller.learn(reservation, completion_tokens)
+    def learn(self, reservation: Reservation, completion_tokens: int, *, ended: bool = True) -> None:
+        """A request completed with ``completion_tokens`` (or was stopped after them: ``ended=False``): the
+        output-length estimate learns it."""
+        self.controller.learn(reservation, completion_tokens, ended=ended)
 
     def release(self, reservation: Reservation, outcome: str) -> bool:
         """Give the reservation's blocks back and admit whoever now fits; True the first time only."""

@@ -484,13 +484,17 @@ class AdmissionController:
             return cost
         return cost.capped(expected, self.geometry.block_size)
 
-    def learn(self, res: Reservation, completion_tokens: int) -> None:
-        """A request finished normally after producing ``completion_tokens`` (over all its sequences). One that
-        ran into its own budget says nothing of where it would have stopped (a completion's default of 16 would
-        teach every chat that outputs are 16 tokens long), and neither does a batch, whose mean hides its
-        longest sequence: neither is learned."""
-        if teaches(res) and completion_tokens < res.full.max_output:
-            self.lengths.observe(res.key, completion_tokens)
+    def learn(self, res: Reservation, completion_tokens: int, *, ended: bool = True) -> None:
+        """A request finished after producing ``completion_tokens`` (over all its sequences); ``ended=False``:
+        it was stopped before it ended (its client went away). One that ran into its own budget was stopped as
+        well: both are learned as longer than what they produced, not as lengths (a completion's default of 16
+        would teach every chat that outputs are 16 tokens long, and a tenant's cap that outputs end under it). A
+        batch, whose mean hides its longest sequence, is not learned."""
+        if not teaches(res):
+            return
+        ended = ended and completion_tokens < res.full.max_output
+        if ended or completion_tokens > 0:
+            self.lengths.observe(res.key, min(completion_tokens, res.full.max_output), ended=ended)
 
     def release(self, res: Reservation, now: float, finished: bool = True) -> bool:
         """Give ``res`` back (True the first time only). ``finished``: the request ended on the engine, which

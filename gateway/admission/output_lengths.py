@@ -20,6 +20,12 @@ right-censored observations ("longer than what it has produced so far"): :meth:`
 hands them in, once per engine sample, and the quantile is then the Kaplan-Meier estimate over both. Those
 answers are cached until the next :meth:`set_in_flight` (a fraction of a second), so an admission is still a
 dictionary lookup.
+
+Requests that were stopped before they ended on their own are censored the same way, and kept in the window
+with the ended ones (``ended=False``): one that ran into its budget (``max_tokens``) or whose client went away
+mid-stream is known only to be longer than what it produced. Dropping them would bias the window the same way:
+when a tenant caps its outputs at 300 tokens and most answers would run longer, the capped ones are most of the
+traffic, and the ended ones alone put the quantile well under the cap that most requests then run to.
 """
 
 from __future__ import annotations
@@ -36,25 +42,29 @@ STALE_AFTER = 64  # finished requests without a new in-flight set: the running o
 
 
 class _Window:
-    """The last ``size`` lengths, in arrival order (to evict) and sorted (to answer)."""
+    """The last ``size`` observations, in arrival order (to evict) and sorted (to answer): the lengths of the
+    requests that ended on their own, and apart from them what the stopped ones (censored) had produced."""
 
     def __init__(self, size: int) -> None:
-        self._order: deque[int] = deque()
-        self._sorted: list[int] = []
+        self._order: deque[tuple[int, bool]] = deque()  # (tokens, ended)
+        self._sorted: list[int] = []  # ended
+        self.stopped: list[int] = []  # censored: stopped after producing that many, sorted
         self._size = size
 
     def __len__(self) -> int:
         return len(self._order)
 
-    def add(self, value: int) -> None:
+    def add(self, value: int, ended: bool = True) -> None:
         if len(self._order) == self._size:
-            old = self._order.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        self._order.append(value)
-        bisect.insort(self._sorted, value)
+            old, old_ended = self._order.popleft()
+            values = self._sorted if old_ended else self.stopped
+            del values[bisect.bisect_left(values, old)]
+        self._order.append((value, ended))
+        bisect.insort(self._sorted if ended else self.stopped, value)
 
     def quantile(self, q: float, above: int, min_samples: int) -> int | None:
-        """The ``q`` quantile of the lengths greater than ``above`` (None: fewer than ``min_samples`` of them)."""
+        """The ``q`` quantile of the lengths greater than ``above`` (None: fewer than ``min_samples`` of them),
+        when nothing is censored."""
         start = bisect.bisect_right(self._sorted, above)
         n = len(self._sorted) - start
         if n < min_samples:
@@ -63,19 +73,21 @@ class _Window:
 
     def censored_quantile(self, q: float, above: int, min_samples: int, running: list[int]) -> int | None:
         """The Kaplan-Meier ``q`` quantile of the lengths greater than ``above``, when ``running`` (sorted) are
-        the tokens produced so far by requests that have not finished: each is known only to end past that.
-        None when fewer than ``min_samples`` finished past ``above``; :data:`BEYOND` when so many are still
-        running that the survival never falls to ``1 - q`` (the quantile lies past anything seen to end)."""
+        the tokens produced so far by requests that have not finished and :attr:`stopped` those of requests that
+        were stopped: each is known only to end past that. None when fewer than ``min_samples`` ended past
+        ``above``; :data:`BEYOND` when so many are censored that the survival never falls to ``1 - q`` (the
+        quantile lies past anything seen to end)."""
         finished = self._sorted
         i = bisect.bisect_right(finished, above)
         if len(finished) - i < min_samples:
             return None
+        censored = sorted(running + self.stopped) if self.stopped else running
         survival, target = 1.0, 1.0 - q + 1e-12
         while i < len(finished):
             t = finished[i]
             ends_here = bisect.bisect_right(finished, t, i) - i
-            # at risk of ending at t: finished at t or later, or running with at least t - 1 produced
-            at_risk = len(finished) - i + len(running) - bisect.bisect_left(running, t - 1)
+            # at risk of ending at t: ended at t or later, or censored with at least t - 1 produced
+            at_risk = len(finished) - i + len(censored) - bisect.bisect_left(censored, t - 1)
             survival *= 1.0 - ends_here / at_risk
             if survival <= target:
                 return t
@@ -106,14 +118,14 @@ class OutputLengths:
         self._cached.clear()
         self._observed_since = 0
 
-    def observe(self, key: Key, tokens: int) -> None:
+    def observe(self, key: Key, tokens: int, *, ended: bool = True) -> None:
         """A finished request produced ``tokens`` output tokens per sequence; every coarser key learns it too.
-        Censored answers keep until the next in-flight set; if none comes (the engine's metrics are down), the
-        running ones are forgotten after ``STALE_AFTER`` finishes, not kept forever."""
-        if self._running:
-            self._observed_since += 1
-            if self._observed_since >= STALE_AFTER:
-                self.set_in_flight(())
+        ``ended=False``: it was stopped (its budget, its client) after producing them, so its length is only
+        known to be longer. Cached answers keep until the next in-flight set; if none comes (the engine's
+        metrics are down), they and the running ones are forgotten after ``STALE_AFTER`` finishes."""
+        self._observed_since += 1
+        if self._observed_since >= STALE_AFTER:
+            self.set_in_flight(())
         for depth in range(len(key) + 1):
             sub = key[:depth]
             window = self._windows.get(sub)
@@ -123,7 +135,7 @@ class OutputLengths:
                     self._evict()
             else:
                 self._windows.move_to_end(sub)
-            window.add(max(0, tokens))
+            window.add(max(0, tokens), ended)
 
     def _evict(self) -> None:
         for old in self._windows:
@@ -134,8 +146,8 @@ class OutputLengths:
     def quantile(self, key: Key, q: float, above: int = 0) -> int | None:
         """Output tokens per sequence at quantile ``q`` for requests like this one (that already produced
         ``above``), from the most specific key that knows enough; None when none does; :data:`BEYOND` when
-        requests still running say it lies past every length seen to end (no coarser key is asked then: their
-        lengths are not this key's)."""
+        requests still running or stopped say it lies past every length seen to end (no coarser key is asked
+        then: their lengths are not this key's)."""
         min_samples = self.min_samples if above == 0 else max(4, self.min_samples // 4)
         for depth in range(len(key), -1, -1):
             sub = key[:depth]
@@ -143,12 +155,12 @@ class OutputLengths:
             if window is None:
                 continue
             running = self._running.get(sub)
-            if running is None:
+            if running is None and not window.stopped:
                 value = window.quantile(q, above, min_samples)
             elif (sub, q, above) in self._cached:
                 value = self._cached[sub, q, above]
             else:
-                value = window.censored_quantile(q, above, min_samples, running)
+                value = window.censored_quantile(q, above, min_samples, running or [])
                 if len(self._cached) >= MAX_CACHED:
                     self._cached.clear()
                 self._cached[sub, q, above] = value

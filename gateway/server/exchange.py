@@ -192,12 +192,16 @@ class Exchange:
         answered = outcome == "completed" and self.writer.status == 200  # an engine error teaches nothing
         whole_answer = answered and not self.writer.event_stream
         if self.admission is not None:
+            reservation = self.admission.reservation
             # a length the engine said, or a stream's event count when each event is one token (a batched
             # stream's count is only a floor, which would teach lengths short of the truth)
             if answered and (self.usage is not None or (not whole_answer and self.stream_interval == 1)):
                 produced = self.usage.completion_tokens if self.usage is not None else self.generated
-                self._admitter.learn(self.admission.reservation, produced)
-            self._admitter.release(self.admission.reservation, outcome)
+                self._admitter.learn(reservation, produced)
+            elif outcome == "client_disconnect" and self.writer.event_stream:
+                # a stream its client left (a timeout cuts the longest): longer than what it was sent
+                self._admitter.learn(reservation, self.generated, ended=False)
+            self._admitter.release(reservation, outcome)
         if self.slot is not None:
             self._counters.release_slot(self.slot)
         if self.charge is not None:

@@ -264,6 +264,26 @@ async def test_a_stream_that_broke_off_with_an_error_event_teaches_no_output_len
     assert learned == [3] and len(admitter.controller.ledger) == 0
 
 
+async def test_a_stream_its_client_left_teaches_that_outputs_run_longer_than_what_it_was_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client's timeout cuts the longest answers: dropping them would teach lengths short of the truth. The
+    stream counts as stopped after what it was sent; a whole answer the client left teaches nothing (nothing
+    says how far the engine got)."""
+    admitter, _ = make()
+    learned: list[tuple[int, bool]] = []
+    monkeypatch.setattr(admitter, "learn", lambda reservation, tokens, ended=True: learned.append((tokens, ended)))
+    for stream in (True, False):
+        ex = exchange(admitter)
+        await ex.charge_rate_limits(tenant(admitter), rc(5))
+        await ex.admit()
+        ex.sending()
+        ex.writer.status, ex.writer.event_stream, ex.generated = 200, stream, 7
+        ex.close(asyncio.CancelledError())
+        assert ex.outcome == "client_disconnect"
+    assert learned == [(7, False)] and len(admitter.controller.ledger) == 0
+
+
 def _admitted_and_released(admitter: Admitter) -> tuple[float, float]:
     metrics = {m.name: m for m in admitter.metrics.registry.collect()}
     admitted = sum(s.value for s in metrics["kvgate_requests_admitted"].samples if s.name.endswith("_total"))

@@ -152,18 +152,48 @@ def test_a_configured_prior_stands_in_until_lengths_are_learned() -> None:
     assert c.expected_cost(chat(), KEY).max_output == 80
 
 
-def test_what_is_learned_is_where_single_outputs_stopped_on_their_own() -> None:
-    """A request that ran into its budget (a completion's default of 16, a cap) or a batch (its mean hides its
-    longest sequence) teaches nothing; one that stopped on its own does."""
+def test_a_request_stopped_by_its_budget_is_learned_as_longer_than_that_and_a_batch_not_at_all() -> None:
+    """Four answers ended at 100, 200, 300 and 400 tokens, four ran into their cap of 250: the median is 300
+    (the capped ones went past 250), not 200 (dropping them) nor 250 (taking the cap for their length). A batch
+    (its mean hides its longest sequence) teaches nothing."""
     c = controller(min_samples=1)
-    capped = c.ledger.reserve(chat(max_tokens=16), "t", 0.0, key=KEY)
-    batch = c.ledger.reserve(chat(n=2), "t", 0.0, key=KEY)
-    c.learn(capped, 16)
-    c.learn(batch, 100)
-    assert c.lengths.quantile(KEY, 0.5) is None
-    c.learn(c.ledger.reserve(chat(), "t", 0.0, key=KEY), 300)
+    c.learn(c.ledger.reserve(chat(n=2), "t", 0.0, key=KEY), 100)
+    assert c.lengths.samples(KEY) == 0
+    for n in (100, 200, 300, 400):
+        c.learn(c.ledger.reserve(chat(), "t", 0.0, key=KEY), n)
+        c.learn(c.ledger.reserve(chat(max_tokens=250), "t", 0.0, key=KEY), 250)
+    c.begin_sample()
+    c.apply_sample(UsageSample(0.0, 1.0))  # answers are cached until the next sample
     assert c.lengths.quantile(KEY, 0.5) == 300
     assert c.expected_cost(chat(n=2), KEY).max_output == 3996  # a batch keeps its whole budget
+
+
+def test_a_tenant_whose_cap_cuts_most_answers_reserves_its_cap() -> None:
+    """Natural lengths uniform on 1-1,000 and every request capped at 300: 70% run into the cap. Their 0.7
+    quantile is the cap itself (the whole budget), where learning from the ended ones alone put it near 210
+    (and seven requests in ten outran their reservation)."""
+    c = controller(min_samples=32)
+    rng = random.Random(7)
+    for _ in range(512):
+        natural = rng.randint(1, 1000)
+        res = c.ledger.reserve(chat(max_tokens=300), "t", 0.0, key=KEY)
+        c.learn(res, min(natural, 300))
+    c.begin_sample()
+    c.apply_sample(UsageSample(0.0, 1.0))
+    assert c.expected_cost(chat(max_tokens=300), KEY).max_output == 300
+    assert c.expected_cost(chat(max_tokens=2000), KEY).max_output == 2000  # past what anyone was let run
+
+
+def test_a_stream_its_client_left_is_learned_as_longer_than_what_it_was_sent() -> None:
+    c = controller(min_samples=1)
+    for n in (100, 200, 300, 400):
+        c.learn(c.ledger.reserve(chat(), "t", 0.0, key=KEY), n)
+        c.learn(c.ledger.reserve(chat(), "t", 0.0, key=KEY), 250, ended=False)
+    c.learn(c.ledger.reserve(chat(), "t", 0.0, key=KEY), 0, ended=False)  # left before a token: nothing
+    assert c.lengths.samples(KEY) == 8
+    c.begin_sample()
+    c.apply_sample(UsageSample(0.0, 1.0))
+    assert c.lengths.quantile(KEY, 0.5) == 300
 
 
 def test_requests_still_generating_raise_the_estimate_from_the_next_sample() -> None:

@@ -169,3 +169,43 @@ def test_running_requests_are_forgotten_when_no_new_set_comes() -> None:
     for _ in range(STALE_AFTER):
         est.observe(KEY, 20)
     assert est.quantile(KEY, 0.5) == 20
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 3000), st.booleans()), min_size=1, max_size=300),
+    st.floats(0.05, 0.99),
+    st.integers(0, 2000),
+)
+def test_stopped_requests_only_ever_raise_the_estimate(observed: list[tuple[int, bool]], q: float, above: int) -> None:
+    """A request stopped after ``n`` tokens (its cap, its client) went at least that far: learning it as such
+    moves a quantile up (or out of reach) against dropping it, never down, and any answer is a length that
+    really ended; the window holds the last ``window`` observations of either kind."""
+    window = 64
+    kept = OutputLengths(min_samples=1, window=window)
+    dropped = OutputLengths(min_samples=1, window=window)
+    for n, ended in observed:
+        kept.observe(KEY, n, ended=ended)
+    for n, ended in observed[-window:]:
+        if ended:
+            dropped.observe(KEY, n)
+    assert kept.samples(KEY) == min(window, len(observed))
+    with_stopped, without = kept.quantile(KEY, q, above=above), dropped.quantile(KEY, q, above=above)
+    if without is None:
+        assert with_stopped is None
+    else:
+        ended_lengths = [n for n, ended in observed[-window:] if ended]
+        assert with_stopped is not None and without <= with_stopped
+        assert with_stopped == BEYOND or (with_stopped in ended_lengths and with_stopped > above)
+
+
+def test_a_key_only_ever_stopped_at_its_cap_reserves_past_it_once_enough_ended() -> None:
+    """Sixteen answers ended under 100 and forty-eight ran into a cap of 100: the 0.7 quantile lies past every
+    length seen to end (the whole budget); with the capped ones dropped it would be under 100."""
+    est = OutputLengths(min_samples=16)
+    for n in range(16):
+        est.observe(KEY, 50 + n)
+    for _ in range(48):
+        est.observe(KEY, 100, ended=False)
+    assert est.quantile(KEY, 0.7) == BEYOND
+    assert est.quantile(KEY, 0.2) == 62  # within the ended ones: survival 0.8 after 13 of 64 ended
