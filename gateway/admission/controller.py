@@ -15,6 +15,7 @@ deadline, so nothing waits forever.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal
@@ -88,6 +89,11 @@ class DrainRate:
         return len(self._events) / span
 
 
+# The longest Retry-After the OpenAI SDKs wait for: openai-python 2.x and later do not retry past it (1.x
+# retries on its own backoff past 60 s). A longer one is still told, but no return is booked for it.
+HONOURED_RETRY_AFTER_S = 120.0
+
+
 class ReturnBook:
     """When refused clients were told to come back: the Retry-After of a refusal books the next free return
     slot, no earlier than the line it was refused from is gone and one finish after the last booked return, so
@@ -103,10 +109,11 @@ class ReturnBook:
     def __len__(self) -> int:
         return len(self._times)
 
-    def book(self, earliest: float, spacing_s: float) -> float:
-        """Book a return at ``earliest`` or ``spacing_s`` after the last booked one, whichever is later."""
+    def book(self, earliest: float, spacing_s: float, latest: float = math.inf) -> float:
+        """Book a return at ``earliest`` or ``spacing_s`` after the last booked one, whichever is later; one
+        past ``latest`` is only told, not booked: the client will not wait that long."""
         at = max(earliest, self._times[-1] + spacing_s) if self._times else earliest
-        if len(self._times) < self.max_booked:
+        if at <= latest and len(self._times) < self.max_booked:
             self._times.append(at)
         return at
 
@@ -536,7 +543,8 @@ class AdmissionController:
         """The Retry-After of a request refused for want of time: when the line it saw is gone, and after every
         return booked before it, one finish apart."""
         rate = self.drain.per_second(now)
-        at = self.returns.book(now + max(line_wait_s, 1.0), 1.0 / rate if rate > 0 else 1.0)
+        spacing = 1.0 / rate if rate > 0 else 1.0
+        at = self.returns.book(now + max(line_wait_s, 1.0), spacing, latest=now + HONOURED_RETRY_AFTER_S)
         return min(at - now, 600.0)
 
     def eta(self, position: int, now: float) -> float | None:

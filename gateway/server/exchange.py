@@ -24,10 +24,10 @@ from gateway.tenants.policy import TenantPolicy
 from gateway.tenants.ratelimit import ratelimit_headers
 from gateway.tenants.slots import Slot
 from gateway.tokens.cost import RequestCost
-from gateway.upstream.forwarder import Usage
+from gateway.upstream.forwarder import EngineUnreachable, Usage
 
 Stage = Literal["body", "waiting", "queued", "streaming"]
-Outcome = Literal["completed", "client_disconnect", "upstream_busy", "upstream_error", "error"]
+Outcome = Literal["completed", "client_disconnect", "upstream_busy", "upstream_error", "engine_unreachable", "error"]
 
 
 class Exchange:
@@ -57,6 +57,7 @@ class Exchange:
         self.charge: Charge | None = None
         self.slot: Slot | None = None
         self.slot_wait_s = 0.0
+        self._waiting_since = 0.0  # loop time its wait for a slot and a reservation began
         self.admission: Admission | None = None
         self.reached_engine = False
         self.stream_interval = 1  # tokens per SSE event the engine batches (vLLM's stream_interval)
@@ -97,6 +98,7 @@ class Exchange:
 
     async def admit(self) -> None:
         """A KV reservation: admitted now, or after waiting in the queue for what is left of the wait budget."""
+        self._waiting_since = asyncio.get_running_loop().time() - self.slot_wait_s
         await self._admit(self.slot_wait_s, self.client.retry)
 
     async def _admit(self, waited_s: float, retry: bool) -> None:
@@ -126,13 +128,13 @@ class Exchange:
         another engine, with what is left of its wait budget (its reservation there is given back first).
         False in a pool of one, where there is nowhere else to go."""
         assert self.admission is not None
+        self.reached_engine = False  # refused: it holds the engine nothing, and its charge is given back
         if not self._admitter.unreachable(self.engine):
             return False
-        self.reached_engine = False
         self._admitter.release(self.admission.reservation, "engine_unreachable")
-        waited = self.slot_wait_s + self.admission.waited_s
         self.admission = None
-        await self._admit(waited, retry=True)
+        # all of it counts, every pass through the queue and each connection attempt (up to connect_timeout_s)
+        await self._admit(asyncio.get_running_loop().time() - self._waiting_since, retry=True)
         return True
 
     @property
@@ -220,6 +222,8 @@ class Exchange:
             return "client_disconnect"
         if isinstance(exc, GatewayError) and exc.code == "engine_busy":
             return "upstream_busy"
+        if isinstance(exc, EngineUnreachable):
+            return "engine_unreachable"  # nothing was sent: no finish (queue ETAs), no tokens billed
         if isinstance(exc, GatewayError) and self.reached_engine:
             return "upstream_error"
         return "error"

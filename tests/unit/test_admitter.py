@@ -23,6 +23,7 @@ from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import TenantPolicy
 from gateway.tenants.ratelimit import RateLimits
 from gateway.tokens.cost import KvGeometry, RequestCost
+from gateway.upstream.forwarder import EngineUnreachable
 
 
 class Clock:
@@ -282,6 +283,23 @@ async def test_a_stream_its_client_left_teaches_that_outputs_run_longer_than_wha
         ex.close(asyncio.CancelledError())
         assert ex.outcome == "client_disconnect"
     assert learned == [(7, False)] and len(admitter.controller.ledger) == 0
+
+
+async def test_an_engine_that_refused_the_connection_in_a_pool_of_one_got_nothing_of_the_request() -> None:
+    """Nowhere else to place it: the client hears 503, and the request counts as neither a finish (the queue's
+    ETAs would read the refusals as a drain) nor a request the engine saw (its charge is given back)."""
+    admitter, _ = make()
+    drain = admitter.controller.drain
+    for _ in range(drain.MATURE_EVENTS):
+        ex = exchange(admitter)
+        await ex.charge_rate_limits(tenant(admitter), rc(5))
+        await ex.admit()
+        ex.sending()
+        assert not await ex.place_again()
+        ex.close(EngineUnreachable("The inference engine is unreachable."))
+        assert ex.outcome == "engine_unreachable" and not ex.reached_engine
+    assert admitter.metrics.released.labels("engine_unreachable").value == drain.MATURE_EVENTS
+    assert not drain.mature(0.0) and len(admitter.controller.ledger) == 0
 
 
 def _admitted_and_released(admitter: Admitter) -> tuple[float, float]:

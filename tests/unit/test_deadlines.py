@@ -4,7 +4,14 @@ client when it says so."""
 
 from __future__ import annotations
 
-from gateway.admission.controller import AdmissionController, Admitted, Queued, Rejected, UsageSample
+from gateway.admission.controller import (
+    HONOURED_RETRY_AFTER_S,
+    AdmissionController,
+    Admitted,
+    Queued,
+    Rejected,
+    UsageSample,
+)
 from gateway.admission.queue import QueueClass
 from gateway.config import AdmissionConfig
 from gateway.server.hints import ClientHints, client_hints
@@ -115,3 +122,19 @@ def test_refused_clients_are_told_to_come_back_one_finish_apart_and_first_attemp
     assert isinstance(c.submit(small(), "t", now + afters[0], max_wait_s=3.0, retry=True), Queued)
     c.returns.forget(now + 1000.0)
     assert len(c.returns) == 0
+
+
+def test_a_return_later_than_the_sdk_waits_is_told_but_not_booked() -> None:
+    """At one finish every two seconds, a line of 80 is ~160 s long: the OpenAI SDK does not wait past 120 s (it
+    gives up), so that client is not expected back and first attempts do not count it ahead of them."""
+    c = full_engine(finished_per_s=0.5)
+    now = 30.0
+    for _ in range(80):
+        assert isinstance(c.submit(small(), "t", now, max_wait_s=600.0), Queued)
+    far = c.submit(small(), "t", now, max_wait_s=3.0)
+    assert isinstance(far, Rejected) and far.retry_after_s > HONOURED_RETRY_AFTER_S
+    assert len(c.returns) == 0
+    while len(c.queue) > 20:  # a line of ~40 s: this one is booked
+        c.queue.pop()
+    near = c.submit(small(), "t", now, max_wait_s=3.0)
+    assert isinstance(near, Rejected) and near.retry_after_s <= HONOURED_RETRY_AFTER_S and len(c.returns) == 1
