@@ -302,6 +302,32 @@ async def test_an_engine_that_refused_the_connection_in_a_pool_of_one_got_nothin
     assert not drain.mature(0.0) and len(admitter.controller.ledger) == 0
 
 
+async def test_a_request_placed_again_waits_within_what_is_left_since_it_began_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The connection attempt that failed (up to connect_timeout_s) spent the client's time too: the second
+    placement's budget is what is left of the whole wait, not of its last pass through the queue."""
+    admitter, _ = make()
+    budgets: list[float] = []
+    acquire = admitter.acquire
+
+    async def recording(cost: RequestCost, tenant: str, max_wait_s: float, *args: Any) -> Any:
+        budgets.append(max_wait_s)
+        return await acquire(cost, tenant, max_wait_s, *args)
+
+    monkeypatch.setattr(admitter, "acquire", recording)
+    monkeypatch.setattr(admitter, "unreachable", lambda engine: True)  # a pool with somewhere else to go
+    ex = exchange(admitter)
+    await ex.charge_rate_limits(tenant(admitter), rc(5))
+    await ex.admit()
+    ex.sending()
+    await asyncio.sleep(0.2)  # the connection attempt
+    assert await ex.place_again()
+    assert budgets[0] == ex.wait_budget_s and budgets[1] <= ex.wait_budget_s - 0.2
+    ex.close(None)
+    assert len(admitter.controller.ledger) == 0
+
+
 def _admitted_and_released(admitter: Admitter) -> tuple[float, float]:
     metrics = {m.name: m for m in admitter.metrics.registry.collect()}
     admitted = sum(s.value for s in metrics["kvgate_requests_admitted"].samples if s.name.endswith("_total"))
