@@ -50,7 +50,11 @@ class UpstreamConfig(_Model):
         description="Longest silence from the engine: until the response head arrives (time to first byte) and "
         "between two body chunks. Not a cap on a stream's total length.",
     )
-    api_key: str | None = Field(None, description="Sent upstream instead of the client's Authorization.")
+    api_key: str | None = Field(
+        None,
+        description="The engine's --api-key: sent upstream instead of the client's Authorization, and on kvgate's "
+        "own calls (/v1/models, /tokenize).",
+    )
     priority_scheduling: bool = Field(
         False,
         description="The engines run vLLM with --scheduling-policy priority: each generation carries its "

@@ -9,15 +9,16 @@ engine sees them, coarsely where the body does not say more:
   as chat).
 * ``/v1/messages`` (Anthropic): ``system``, ``messages`` and ``tools`` become the chat request vLLM makes of
   them; ``max_tokens`` caps the output.
-* ``/invocations`` (SageMaker): dispatched on its body, as vLLM does: ``messages`` -> chat, ``prompt`` ->
-  completions, ``input`` -> pooling.
+* ``/invocations`` (SageMaker): ``messages`` -> chat, ``prompt`` -> completions, ``input`` -> pooling. vLLM
+  does not dispatch on keys: it runs the first request type whose validation passes, and every type allows
+  extra fields, so a body with the fields of two types is refused (:data:`INVOCATION_TYPES`).
 * pooling routes (embeddings, ``/pooling``, ``/classify``): the inputs are prompts that produce no output tokens.
 * scoring routes (``/score``, ``/rerank``): each query/document pair is a prompt of its own, no output.
 * audio (multipart): the body is not read; the request reserves the whole context length (the decoder's own
   limit), which is coarse but never short.
 
-Every JSON body is refused with a ``priority`` of the client's own (other than 0): the engine's priority is the
-gateway's to set.
+Every JSON body is refused with a field the engine acts on that a client may not set (a ``priority`` other than
+0, KV/EC transfer parameters, prompt embeddings: :data:`gateway.protocol.requests.ENGINE_CONTROLS`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from gateway.protocol.requests import (
     json_object,
     optional_field,
     parse_request,
-    refuse_client_priority,
+    refuse_engine_controls,
     truncation,
 )
 from gateway.protocol.routes import BodyKind
@@ -48,8 +49,9 @@ def parse_body(kind: BodyKind, raw: bytes) -> InferenceRequest:
     if kind == "audio":
         return InferenceRequest("completions", None, 1, None, None, [[]], None, min_tokens=RUNS_TO_BUDGET)
     body = json_object(raw)
-    refuse_client_priority(body)
+    refuse_engine_controls(body)
     if kind == "invocations":
+        refuse_ambiguous_invocation(body)
         if "messages" in body:
             return parse_request("chat", raw)
         if "prompt" in body:
@@ -64,6 +66,33 @@ def parse_body(kind: BodyKind, raw: bytes) -> InferenceRequest:
     if kind == "pooling":
         return _pooling(body)
     return _score(body)
+
+
+# The fields that make each of vLLM's /invocations request types validate, in the order it tries them
+# (serve/sagemaker/api_router.py): chat, completions, then the pooling model's embed/classify, rerank/score and
+# pooling types (pooling's IO-processor plugin takes any ``data``).
+INVOCATION_TYPES: dict[str, tuple[str, ...]] = {
+    "chat": ("messages",),
+    "completions": ("prompt", "prompt_embeds"),
+    "pooling": ("input",),
+    "scoring": ("query", "documents", "queries", "items", "data_1", "data_2", "text_1", "text_2"),
+    "plugin": ("data",),
+}
+
+
+def refuse_ambiguous_invocation(body: dict[str, Any]) -> None:
+    """A 400 for an /invocations body with the fields of more than one request type (even null ones): vLLM
+    would run the first type that validates, maybe not the one kvgate priced (a small chat whose ``messages``
+    fail chat validation runs as the completions batch in its ``prompt``)."""
+    found = [[key for key in keys if key in body] for keys in INVOCATION_TYPES.values()]
+    types = [keys for keys in found if keys]
+    if len(types) > 1:
+        fields = [key for keys in types for key in keys]
+        named = ", ".join(f"'{key}'" for key in fields)
+        raise bad_request(
+            f"An /invocations body must carry the fields of one request type only (found: {named}).",
+            param=", ".join(fields),
+        )
 
 
 def _model(body: dict[str, Any]) -> str | None:

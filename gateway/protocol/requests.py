@@ -3,8 +3,8 @@
 The body itself is forwarded unchanged; we read it, never rewrite it. Checks stop at what the gateway relies
 on (prompt, messages, n, max_tokens, stream) and what it tokenizes (message content parts, names,
 tool calls, tools): anything the tokenizer or a chat template would trip over must be a 400 here, never a 500
-later. Everything else is the engine's business, except what would overrule the gateway's own decisions: a
-``priority`` of the client's (see :func:`refuse_client_priority`).
+later. Everything else is the engine's business, except fields the engine acts on that are the gateway's to
+decide or that it cannot price (:data:`ENGINE_CONTROLS`, refused by :func:`refuse_engine_controls`).
 """
 
 from __future__ import annotations
@@ -55,22 +55,66 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def refuse_client_priority(body: dict[str, Any]) -> None:
-    """A 400 for a ``priority`` other than vLLM's default 0. An engine run with ``--scheduling-policy priority``
-    orders its queue by it and preempts running requests for it, so a client's own value would overrule the
-    classes kvgate admits by; an FCFS engine ignores it. Which priority the engine sees is the gateway's to
-    say, from the tenant's class (``upstream.priority_scheduling``)."""
-    value = body.get("priority")
-    if value is not None and value != 0:
-        raise bad_request(
-            "'priority' is set by the gateway from your tenant's priority class: leave it out (or 0).",
-            param="priority",
-        )
+@dataclass(frozen=True, slots=True)
+class EngineControl:
+    """A body field the engine acts on that a client may not set: ``allowed`` is the one value a client may
+    still send (the engine's default; None: only null or absent), ``message`` the 400 it gets otherwise."""
+
+    allowed: object
+    message: str
+
+
+# Refused when present and not null (unless ``allowed``); a dotted name is a key inside an object field.
+ENGINE_CONTROLS: dict[str, EngineControl] = {
+    # vLLM's priority scheduling orders its queue and preempts by it: kvgate sets it from the tenant's class
+    "priority": EngineControl(
+        0, "'priority' is set by the gateway from your tenant's priority class: leave it out (or 0)."
+    ),
+    # KV connectors pin blocks and move KV between engines from it: memory kvgate's ledger cannot see
+    "kv_transfer_params": EngineControl(
+        None, "'kv_transfer_params' steers the engine's KV cache transfers, which only the operator may do."
+    ),
+    # EC connectors move encoder caches between engines from it, likewise outside kvgate's ledger
+    "ec_transfer_params": EngineControl(
+        None, "'ec_transfer_params' steers the engine's encoder cache transfers, which only the operator may do."
+    ),
+    # --enable-prompt-embeds runs them as prompt tokens kvgate cannot count (that takes torch)
+    "prompt_embeds": EngineControl(
+        None, "'prompt_embeds' is not accepted through this gateway: send the prompt as text or token ids."
+    ),
+    # vLLM copies vllm_xargs into the request's extra_args, where the connectors read the same two fields
+    "vllm_xargs.kv_transfer_params": EngineControl(
+        None, "'vllm_xargs.kv_transfer_params' steers the engine's KV cache transfers: leave it out."
+    ),
+    # the same for the EC connectors
+    "vllm_xargs.ec_transfer_params": EngineControl(
+        None, "'vllm_xargs.ec_transfer_params' steers the engine's encoder cache transfers: leave it out."
+    ),
+}
+
+
+def refuse_engine_controls(body: dict[str, Any]) -> None:
+    """A 400 (``param``: the field) for the first of :data:`ENGINE_CONTROLS` the body sets: kvgate is the only
+    door to the engine, so what the engine acts on is either priced by kvgate or the gateway's to say."""
+    for name, control in ENGINE_CONTROLS.items():
+        value = _nested(body, name)
+        if value is not None and (control.allowed is None or value != control.allowed):
+            raise bad_request(control.message, param=name)
+
+
+def _nested(body: dict[str, Any], name: str) -> Any:
+    """``body["a"]["b"]`` for ``"a.b"``; None where a level is missing or not an object."""
+    value: Any = body
+    for key in name.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
 
 
 def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     body = json_object(raw)
-    refuse_client_priority(body)
+    refuse_engine_controls(body)
     model = optional_field(body, "model", str)
     optional_field(body, "stream", bool)
     stream_options = optional_field(body, "stream_options", dict) or {}
@@ -208,12 +252,12 @@ def _json_type(value: Any) -> str:
 def _prompts(body: dict[str, Any]) -> list[Prompt]:
     """A completions prompt: a string, token ids, or a batch of either (each one is its own request).
 
-    Like vLLM: an empty string alone is a 400 unless ``prompt_embeds`` carries the prompt, and token ids
-    are never negative. An empty prompt inside a batch is a 400 too (vLLM refuses an empty token list with
-    "The decoder prompt cannot be empty")."""
+    Like vLLM: an empty string is a 400 (``prompt_embeds``, which vLLM would take instead, is refused before),
+    and token ids are never negative. An empty prompt inside a batch is a 400 too (vLLM refuses an empty token
+    list with "The decoder prompt cannot be empty")."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        if not prompt and not body.get("prompt_embeds"):
+        if not prompt:
             raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
         return [prompt]
     if isinstance(prompt, list) and prompt:

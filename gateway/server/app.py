@@ -184,6 +184,7 @@ class Gateway:
             upstream=first.url if (first := self.pool.first) is not None else self.config.upstream.url,
             model_root=self.pool.model.root,
             model_id=self.pool.model.id,
+            api_key=self.config.upstream.api_key,
             download=self.config.tokenizer_download,
             offload_chars=self.config.limits.offload_tokenize_chars,
             cache=self.tokenize_cache,

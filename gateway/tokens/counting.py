@@ -32,14 +32,20 @@ TOKENIZE_TIMEOUT_S = 5.0
 TOKENIZE_RETRY_AFTER_S = 1.0
 
 
+def engine_headers(api_key: str | None) -> dict[str, str]:
+    """What kvgate's own calls to the engine send: the engine's key (``upstream.api_key``) when it has one,
+    since an engine run with ``--api-key`` answers 401 to calls without it."""
+    return {"authorization": f"Bearer {api_key}"} if api_key is not None else {}
+
+
 class TokenCounter:
     """Counts a request's prompt tokens with a local tokenizer, or remotely with the engine's /tokenize.
 
     ``workers`` bounds the threads that tokenize long prompts at once (they use a core each while the loop
     keeps serving); ``tokenize_timeout_s`` bounds one /tokenize call, connect and answer together; ``cache``
-    keeps /tokenize counts of whole requests (one that outlives this counter keeps its hit/miss totals).
-    ``kind`` (hf, tiktoken, heuristic, vllm) and ``source`` (where the tokenizer came from) label
-    ``kvgate_tokenizer_info``."""
+    keeps /tokenize counts of whole requests (one that outlives this counter keeps its hit/miss totals);
+    ``api_key`` is the engine's, sent with each /tokenize call. ``kind`` (hf, tiktoken, heuristic, vllm) and
+    ``source`` (where the tokenizer came from) label ``kvgate_tokenizer_info``."""
 
     def __init__(
         self,
@@ -47,6 +53,7 @@ class TokenCounter:
         *,
         session: aiohttp.ClientSession | None = None,
         upstream: str | None = None,
+        api_key: str | None = None,
         offload_chars: int = 4096,
         executor: ThreadPoolExecutor | None = None,
         workers: int = 2,
@@ -59,6 +66,7 @@ class TokenCounter:
         self.local = local
         self._session = session
         self._upstream = (upstream or "").rstrip("/")
+        self._headers = {**_JSON, **engine_headers(api_key)}
         self._offload_chars = offload_chars
         self._executor = executor or ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvgate-tokenize")
         self._timeout_s = tokenize_timeout_s
@@ -113,7 +121,7 @@ class TokenCounter:
         assert self._session is not None
         url = f"{self._upstream}/tokenize"
         try:
-            async with self._session.post(url, data=payload, headers=_JSON, timeout=self._timeout) as resp:
+            async with self._session.post(url, data=payload, headers=self._headers, timeout=self._timeout) as resp:
                 status, body = resp.status, await resp.read()
         except TimeoutError:
             log.warning("/tokenize at %s: no answer within %gs", url, self._timeout_s)

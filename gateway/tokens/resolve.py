@@ -16,7 +16,7 @@ import orjson
 
 from gateway.tokens import hub
 from gateway.tokens.count_cache import CountCache
-from gateway.tokens.counting import TOKENIZE_TIMEOUT_S, TokenCounter
+from gateway.tokens.counting import TOKENIZE_TIMEOUT_S, TokenCounter, engine_headers
 from gateway.tokens.tokenizers import (
     HeuristicTokenizer,
     HFTokenizer,
@@ -38,22 +38,25 @@ async def build_counter(
     model_root: str | None,
     offload_chars: int,
     model_id: str | None = None,
+    api_key: str | None = None,
     download: bool = False,
     tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S,
     cache: CountCache | None = None,
 ) -> TokenCounter:
     """The counter for ``spec``. An explicit spec that cannot be loaded raises :class:`TokenizerUnavailable`
-    (start-up stops); ``auto`` always finds one (see :func:`choose_auto`)."""
+    (start-up stops); ``auto`` always finds one (see :func:`choose_auto`). ``api_key`` is the engine's, for
+    /tokenize."""
     if spec == "vllm":
         choice: Choice = (None, "engine")
     elif spec == "auto":
-        choice = await choose_auto(session, upstream, model_root, model_id, download=download)
+        choice = await choose_auto(session, upstream, model_root, model_id, download=download, api_key=api_key)
     else:
         choice = await load_explicit(spec, download=download)
     return TokenCounter(
         choice[0],
         session=session,
         upstream=upstream,
+        api_key=api_key,
         offload_chars=offload_chars,
         tokenize_timeout_s=tokenize_timeout_s,
         cache=cache,
@@ -92,6 +95,7 @@ async def choose_auto(
     *,
     download: bool,
     env: Mapping[str, str] | None = None,
+    api_key: str | None = None,
 ) -> Choice:
     """In order: (a) the served model's own directory (``root`` in /v1/models is a path a sidecar sharing the
     model volume can read); (b) the Hugging Face cache a sidecar shares with vLLM, by ``root`` then ``id``
@@ -113,7 +117,7 @@ async def choose_auto(
         local = _try_load(str(snapshot), f"{repo} from the hub") if snapshot else None
         if local is not None:
             return local, "hf_download"
-    if await _tokenize_endpoint_works(session, upstream):
+    if await _tokenize_endpoint_works(session, upstream, api_key):
         log.info("tokenizer auto: using the engine's /tokenize at %s (exact, one extra round trip)", upstream)
         return None, "engine"
     log.warning(
@@ -133,12 +137,12 @@ def _try_load(path: str, what: str) -> LocalTokenizer | None:
     return local
 
 
-async def _tokenize_endpoint_works(session: aiohttp.ClientSession, upstream: str) -> bool:
+async def _tokenize_endpoint_works(session: aiohttp.ClientSession, upstream: str, api_key: str | None) -> bool:
     try:
         async with session.post(
             f"{upstream.rstrip('/')}/tokenize",
             data=orjson.dumps({"prompt": "hello"}),
-            headers={"content-type": "application/json"},
+            headers={"content-type": "application/json", **engine_headers(api_key)},
             timeout=aiohttp.ClientTimeout(total=5),
         ) as resp:
             return resp.status == 200 and "count" in orjson.loads(await resp.read())

@@ -97,6 +97,7 @@ class EnginePool:
                     geometry_override=self.geometry_override,
                     clock=self.clock,
                     on_model=self._model_seen,
+                    api_key=up.api_key,
                 ),
                 Forwarder(
                     url,

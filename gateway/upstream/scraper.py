@@ -3,7 +3,8 @@
 
 Also learns what /v1/models says about the served model (``max_model_len``, and its path on disk, which lets
 ``--tokenizer auto`` find the exact tokenizer), and measures the event loop's lag as a by-product of its own
-timer.
+timer. /v1/models is asked with the engine's key (``upstream.api_key``): vLLM run with ``--api-key`` guards
+``/v1``, and without the model's length every chat without ``max_tokens`` would be a 400.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import orjson
 from gateway.admission.controller import UsageSample
 from gateway.metrics import GatewayMetrics
 from gateway.tokens.cost import KvGeometry
+from gateway.tokens.counting import engine_headers
 from gateway.upstream.engine_metrics import MetricsFormatError, parse_engine_metrics
 from gateway.upstream.session import UpstreamSession
 
@@ -56,6 +58,7 @@ class Scraper:
         geometry_override: KvGeometry | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_model: Callable[[ModelInfo], Awaitable[None]] | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.session = session
@@ -71,6 +74,8 @@ class Scraper:
         self.latest: UsageSample | None = None
         self.preemptions: float | None = None
         self.on_model = on_model
+        self._discovery_headers = engine_headers(api_key)
+        self._discovery_warned: set[int] = set()  # statuses /v1/models answered that were logged already
 
     def subscribe(self, subscriber: SampleSubscriber) -> None:
         self.subscribers.append(subscriber)
@@ -140,9 +145,11 @@ class Scraper:
         self.last_error = reason
 
     async def discover_model(self) -> None:
+        url = f"{self.upstream}/v1/models"
         try:
-            async with self.session().get(f"{self.upstream}/v1/models", timeout=self.timeout) as resp:
+            async with self.session().get(url, headers=self._discovery_headers, timeout=self.timeout) as resp:
                 if resp.status != 200:
+                    self._discovery_failed(url, resp.status)
                     return
                 data = orjson.loads(await resp.read()).get("data") or []
         except (aiohttp.ClientError, TimeoutError, ValueError):
@@ -152,6 +159,20 @@ class Scraper:
             self.model = ModelInfo(first.get("id"), first.get("max_model_len"), first.get("root"))
             if self.on_model is not None:
                 await self.on_model(self.model)
+
+    def _discovery_failed(self, url: str, status: int) -> None:
+        """Logged once per status, not per scrape: discovery is retried every interval until it succeeds."""
+        if status in self._discovery_warned:
+            return
+        self._discovery_warned.add(status)
+        hint = " (set upstream.api_key to the engine's --api-key)" if status in (401, 403) else ""
+        log.warning(
+            "%s answered HTTP %d: the served model's max_model_len (and, for tokenizer auto, its tokenizer) stays "
+            "unknown%s",
+            url,
+            status,
+            hint,
+        )
 
     def age(self) -> float:
         return float("inf") if self.last_success is None else self.clock() - self.last_success

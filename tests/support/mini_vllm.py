@@ -6,6 +6,7 @@ server records the peak it ever held (so a test can check *actual* usage, not a 
 when each client went away. Token counts use the gateway's heuristic tokenizer so both sides agree.
 
 Run: python -m tests.support.mini_vllm --port 8000 [--num-blocks 256 --block-size 16 --token-delay-ms 5]
+[--api-key KEY: as vLLM's flag, 401 on /v1/* without ``Authorization: Bearer KEY``]
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class State:
     seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, raw target, x-request-id), no /debug/
     priorities: dict[str, int] = field(default_factory=dict)  # x-request-id -> the priority vLLM would schedule by
     process_started: float = field(default_factory=time.time)  # vLLM's process_start_time_seconds
+    api_key: str | None = None  # vLLM's --api-key
+    keyed: list[tuple[str, bool]] = field(default_factory=list)  # (path, carried the key), with an api key only
 
     def used_blocks(self) -> int:
         return sum(math.ceil((a.prompt + a.generated) / self.block_size) for a in self.active.values())
@@ -314,6 +317,31 @@ async def record(request: web.Request, handler: Any) -> web.StreamResponse:
     return response
 
 
+# vLLM's AuthenticationMiddleware guards these prefixes only (/tokenize, /metrics, /health stay open).
+GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
+
+
+@web.middleware
+async def authenticate(request: web.Request, handler: Any) -> web.StreamResponse:
+    """vLLM's ``--api-key``: 401 ``{"error": "Unauthorized"}`` on a guarded path without the bearer key (OPTIONS
+    passes). Whether each request carried the key is kept for ``/debug/keyed``."""
+    st: State = request.app["state"]
+    if st.api_key is None or request.path.startswith("/debug/"):
+        response: web.StreamResponse = await handler(request)
+        return response
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    ok = scheme.lower() == "bearer" and key == st.api_key
+    st.keyed.append((request.path, ok))
+    if not ok and request.method != "OPTIONS" and request.path.startswith(GUARDED_PREFIXES):
+        return web.json_response({"error": "Unauthorized"}, status=401)
+    response = await handler(request)
+    return response
+
+
+async def keyed(request: web.Request) -> web.Response:
+    return web.json_response(request.app["state"].keyed)
+
+
 async def seen(request: web.Request) -> web.Response:
     return web.json_response(request.app["state"].seen)
 
@@ -352,13 +380,14 @@ async def any_route(request: web.Request) -> web.Response:
 
 
 def make_app(args: argparse.Namespace) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[record])
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[authenticate, record])
     app["state"] = State(
         args.num_blocks, args.block_size, args.max_model_len, args.token_delay_ms / 1000, args.busy_after, args.model
     )
     app["state"].stream_interval = getattr(args, "stream_interval", 1)
     app["state"].eof_delay_s = getattr(args, "eof_delay_ms", 0.0) / 1000
     app["tokenize_fault"] = getattr(args, "tokenize_fault", "none")
+    app["state"].api_key = getattr(args, "api_key", None)
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_post("/v1/responses", responses_or_messages)
@@ -371,6 +400,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
     app.router.add_post("/debug/reset", reset_peak)
     app.router.add_get("/debug/requests", seen)
     app.router.add_get("/debug/priorities", priorities)
+    app.router.add_get("/debug/keyed", keyed)
     app.router.add_route("*", "/{tail:.*}", any_route)
     return app
 
@@ -388,6 +418,7 @@ def main() -> None:
     p.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed event, as vLLM's flag")
     p.add_argument("--eof-delay-ms", type=float, default=0.0, help="end a stream's response this long after [DONE]")
     p.add_argument("--tokenize-fault", choices=TOKENIZE_FAULTS, default="none", help="break /tokenize this way")
+    p.add_argument("--api-key", default=None, help="as vLLM's flag: 401 on /v1/* without this bearer key")
     args = p.parse_args()
     try:
         import uvloop

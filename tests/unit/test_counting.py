@@ -283,3 +283,19 @@ def test_the_cache_is_a_bounded_lru_of_digests() -> None:
     assert len(by_bytes) == 2 and by_bytes.key_bytes == 64 and by_bytes.get(a) is None
     by_bytes.clear()
     assert (len(by_bytes), by_bytes.key_bytes, by_bytes.misses) == (0, 0, 1)  # totals survive a clear
+
+
+async def test_tokenize_carries_the_engines_api_key(engine: Callable[[Handler], Awaitable[str]]) -> None:
+    """kvgate's own /tokenize calls send the engine's key (``upstream.api_key``), as its forwarded requests do."""
+    seen: list[str | None] = []
+
+    async def record(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("authorization"))
+        return web.json_response({"count": 3})
+
+    url = await engine(record)
+    async with aiohttp.ClientSession() as session:
+        keyed = TokenCounter(None, session=session, upstream=url, api_key="engine-secret")
+        assert await keyed.count(completion("hello")) == (3,)
+        assert await TokenCounter(None, session=session, upstream=url).count(completion("other")) == (3,)
+    assert seen == ["Bearer engine-secret", None]

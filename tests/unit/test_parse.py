@@ -140,8 +140,7 @@ def test_empty_prompts_and_negative_ids_are_400(prompt: object, fragment: str) -
     assert (err.value.status, err.value.param) == (400, "prompt") and fragment in err.value.message
 
 
-def test_an_empty_prompt_with_prompt_embeds_is_vllms_to_judge() -> None:
-    assert parse("completions", {"prompt": "", "prompt_embeds": "AAAA"}).prompts == [""]
+def test_token_id_zero_is_a_prompt() -> None:
     assert parse("completions", {"prompt": [0]}).prompts == [[0]]
 
 
@@ -174,6 +173,100 @@ def test_a_priority_of_the_clients_own_is_refused_on_every_json_route(kind: str,
         with pytest.raises(GatewayError) as err:
             parse_body(kind, orjson.dumps({**body, "priority": refused}))  # type: ignore[arg-type]
         assert err.value.status == 400 and err.value.param == "priority"
+
+
+_JSON_ROUTES = [
+    ("chat", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("completions", {"prompt": "hi"}),
+    ("responses", {"input": "hi"}),
+    ("messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+    ("pooling", {"input": "hi"}),
+    ("score", {"query": "q", "documents": ["d"]}),
+    ("invocations", {"prompt": "hi"}),
+]
+
+
+@pytest.mark.parametrize(("kind", "body"), _JSON_ROUTES)
+@pytest.mark.parametrize(
+    ("refused", "param", "passes"),
+    [
+        (
+            {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1, 2, 3]}},
+            "kv_transfer_params",
+            {"kv_transfer_params": None},
+        ),
+        ({"kv_transfer_params": {}}, "kv_transfer_params", {}),
+        ({"ec_transfer_params": {"do_remote_encode": True}}, "ec_transfer_params", {"ec_transfer_params": None}),
+        ({"prompt_embeds": "AAAA"}, "prompt_embeds", {"prompt_embeds": None}),
+        ({"prompt_embeds": []}, "prompt_embeds", {}),
+        (
+            {"vllm_xargs": {"kv_transfer_params": "x"}},
+            "vllm_xargs.kv_transfer_params",
+            {"vllm_xargs": {"kv_transfer_params": None}},
+        ),
+        ({"vllm_xargs": {"ec_transfer_params": [1]}}, "vllm_xargs.ec_transfer_params", {"vllm_xargs": {"a": 1}}),
+    ],
+)
+def test_engine_controls_are_refused_on_every_json_route(
+    kind: str, body: dict[str, object], refused: dict[str, object], param: str, passes: dict[str, object]
+) -> None:
+    """KV/EC connectors pin blocks and move caches between engines from the transfer parameters (vLLM also reads
+    them from ``vllm_xargs``), and prompt embeddings run as tokens kvgate cannot count: a 400 naming the field.
+    A null is vLLM's default and passes."""
+    with pytest.raises(GatewayError) as err:
+        parse_body(kind, orjson.dumps({**body, **refused}))  # type: ignore[arg-type]
+    assert (err.value.status, err.value.type, err.value.param) == (400, "invalid_request_error", param)
+    assert set(orjson.loads(err.value.body())["error"]) == {"message", "type", "param", "code"}
+    parse_body(kind, orjson.dumps({**body, **passes}))  # type: ignore[arg-type]
+
+
+def test_other_vllm_xargs_pass() -> None:
+    assert parse("completions", {"prompt": "a", "vllm_xargs": {"my_extension": 1}}).prompts == ["a"]
+    assert parse("completions", {"prompt": "a", "vllm_xargs": None}).prompts == ["a"]
+
+
+def test_an_empty_prompt_is_400_even_with_prompt_embeds() -> None:
+    """vLLM would run the embeddings instead: refused before the prompt is read."""
+    with pytest.raises(GatewayError) as err:
+        parse("completions", {"prompt": "", "prompt_embeds": "AAAA"})
+    assert err.value.param == "prompt_embeds"
+
+
+_CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        # the reviewer's case: chat validation fails on logprobs 5 and vLLM runs the completions batch
+        ({"messages": _CHAT, "logprobs": 5, "max_tokens": 1, "prompt": [[1, 2, 3]] * 64}, "messages, prompt"),
+        ({"messages": _CHAT, "input": "x"}, "messages, input"),
+        ({"prompt": "x", "input": "x"}, "prompt, input"),
+        ({"prompt": "x", "query": "q", "documents": ["d"] * 100}, "prompt, query, documents"),
+        ({"input": "x", "text_1": "a", "text_2": "b"}, "input, text_1, text_2"),
+        ({"input": "x", "data": {"image": "..."}}, "input, data"),
+        ({"messages": _CHAT, "prompt": None}, "messages, prompt"),  # present is enough: deny by default
+    ],
+)
+def test_an_invocation_with_the_fields_of_two_request_types_is_400(body: dict[str, object], param: str) -> None:
+    """vLLM's /invocations runs the first request type that validates (chat, completions, then the pooling
+    types), each allowing extra fields: kvgate would price one type and the engine run another."""
+    with pytest.raises(GatewayError) as err:
+        parse_body("invocations", orjson.dumps(body))
+    assert (err.value.status, err.value.type, err.value.param) == (400, "invalid_request_error", param)
+    assert set(orjson.loads(err.value.body())["error"]) == {"message", "type", "param", "code"}
+
+
+def test_an_invocation_of_one_request_type_is_read_as_that_type() -> None:
+    chat = parse_body("invocations", orjson.dumps({"messages": _CHAT, "max_tokens": 3}))
+    assert (chat.endpoint, chat.messages, chat.max_tokens) == ("chat", _CHAT, 3)
+    completions = parse_body("invocations", orjson.dumps({"prompt": [[1, 2], [3]], "max_tokens": 2}))
+    assert (completions.endpoint, completions.prompts, completions.max_tokens) == ("completions", [[1, 2], [3]], 2)
+    pooling = parse_body("invocations", orjson.dumps({"input": ["a", "b"]}))
+    assert (pooling.prompts, pooling.max_tokens) == (["a", "b"], 0)
+    with pytest.raises(GatewayError) as err:  # scoring through /invocations is not priced: refused
+        parse_body("invocations", orjson.dumps({"query": "q", "documents": ["d"]}))
+    assert err.value.status == 400
 
 
 def test_stream_interval_is_read_as_vllm_reads_it() -> None:

@@ -243,6 +243,35 @@ async def test_auto_order_model_dir_then_cache_then_tokenize_then_heuristic(
     assert (counter.kind, counter.source) == ("heuristic", "builtin")
 
 
+async def test_auto_asks_a_keyed_engines_tokenize_with_its_key(serve: Serve) -> None:
+    """An engine behind a key (a proxy, or a vLLM that guards /tokenize) is found, and counted with, its key."""
+    seen: list[str | None] = []
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("authorization"))
+        if request.headers.get("authorization") != "Bearer engine-secret":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return web.json_response({"count": 5})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", guarded)
+    engine = await serve(app)
+    assert (await auto(engine, "other-org/uncached", None)).source == "builtin"
+    async with aiohttp.ClientSession() as session:
+        counter = await build_counter(
+            "auto",
+            session=session,
+            upstream=engine,
+            model_root=None,
+            model_id=None,
+            offload_chars=4096,
+            api_key="engine-secret",
+        )
+        assert counter.source == "engine"
+        assert await counter.count(parse_request("completions", b'{"prompt": "hi"}')) == (5,)
+    assert seen == [None, "Bearer engine-secret", "Bearer engine-secret"]
+
+
 async def test_auto_skips_a_broken_cached_tokenizer(cache: Path, serve: Serve) -> None:
     snap = snapshot(cache, REPO, COMMIT)
     (snap / "tokenizer.json").unlink()

@@ -1,0 +1,90 @@
+"""Model discovery (``/v1/models``) on an engine run with ``--api-key``: asked with the engine's key, and a
+refusal logged once per status instead of dropped silently (or logged every scrape)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from aiohttp import web
+
+from gateway.metrics import GatewayMetrics
+from gateway.upstream.scraper import ModelInfo, Scraper
+from gateway.upstream.session import UpstreamSession
+from tests.support.procs import free_port
+
+KEY = "engine-secret"
+
+
+class GuardedModels:
+    """``/v1/models`` behind vLLM's bearer check; ``status`` overrides the answer (an engine in trouble)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str | None] = []
+        self.status: int | None = None
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        self.seen.append(request.headers.get("authorization"))
+        if self.status is not None:
+            return web.Response(status=self.status)
+        if request.headers.get("authorization") != f"Bearer {KEY}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return web.json_response({"data": [{"id": "m", "max_model_len": 2048, "root": "/models/m"}]})
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[tuple[GuardedModels, str]]:
+    guarded = GuardedModels()
+    app = web.Application()
+    app.router.add_get("/v1/models", guarded.models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield guarded, f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def scraper() -> AsyncIterator[Callable[..., Scraper]]:
+    session = UpstreamSession(4)
+
+    def make(url: str, **kw: object) -> Scraper:
+        return Scraper(url, session, GatewayMetrics(), interval_s=1.0, timeout_s=2.0, **kw)  # type: ignore[arg-type]
+
+    yield make
+    await session.close()
+
+
+async def test_discovery_sends_the_engines_api_key(
+    engine: tuple[GuardedModels, str], scraper: Callable[..., Scraper]
+) -> None:
+    guarded, url = engine
+    seen: list[ModelInfo] = []
+
+    async def on_model(model: ModelInfo) -> None:
+        seen.append(model)
+
+    s = scraper(url, api_key=KEY, on_model=on_model)
+    await s.discover_model()
+    assert s.model == ModelInfo("m", 2048, "/models/m") and seen == [s.model]
+    assert guarded.seen == [f"Bearer {KEY}"]
+
+
+async def test_a_refused_discovery_is_logged_once_per_status(
+    engine: tuple[GuardedModels, str], scraper: Callable[..., Scraper], caplog: pytest.LogCaptureFixture
+) -> None:
+    guarded, url = engine
+    s = scraper(url)  # no key: vLLM's 401
+    with caplog.at_level(logging.WARNING, logger="kvgate.scraper"):
+        for _ in range(3):
+            await s.discover_model()
+        guarded.status = 503
+        for _ in range(2):
+            await s.discover_model()
+    assert s.model == ModelInfo() and guarded.seen == [None] * 5
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "HTTP 401" in warnings[0] and "upstream.api_key" in warnings[0]
+    assert "HTTP 503" in warnings[1] and "upstream.api_key" not in warnings[1]
