@@ -145,8 +145,12 @@ def _prompts(value: Any, param: str) -> list[Prompt]:
 
 
 def _pooling(body: dict[str, Any]) -> InferenceRequest:
-    """Embeddings, pooling, classification: prompts in, vectors or labels out, no output tokens."""
-    if "messages" in body and "input" not in body:
+    """Embeddings, pooling, classification: prompts in, vectors or labels out, no output tokens. A body with
+    both ``input`` and ``messages`` is a 400: vLLM's union of request types runs it as the chat (the messages),
+    whatever ``input`` says, so pricing either one would be a guess at the other."""
+    if "messages" in body:
+        if "input" in body:
+            raise bad_request("A pooling request carries 'input' or 'messages', not both.", param="input, messages")
         return replace(parse_request("chat", orjson.dumps(body)), sequences_per_prompt=1, max_tokens=0, min_tokens=0)
     prompts = _prompts(body.get("input"), "input")
     return InferenceRequest("completions", _model(body), 1, 0, None, prompts, None, truncate_to=truncation(body))

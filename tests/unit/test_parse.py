@@ -278,3 +278,15 @@ def test_stream_interval_is_read_as_vllm_reads_it() -> None:
         with pytest.raises(GatewayError) as err:
             parse("completions", {"prompt": "a", "stream_interval": bad})
         assert err.value.param == "stream_interval"
+
+
+def test_a_pooling_body_with_both_input_and_messages_is_400() -> None:
+    """vLLM 0.32 runs ``{"input": "hi", "messages": [<a long chat>]}`` on /v1/embeddings or /pooling as the
+    chat (its union of request types picks the one with more fields set): priced by ``input``, the long chat
+    went to the engine as a two-token prompt."""
+    chat = [{"role": "user", "content": "long " * 500}]
+    with pytest.raises(GatewayError) as err:
+        parse_body("pooling", orjson.dumps({"model": "m", "input": "hi", "messages": chat}))
+    assert (err.value.status, err.value.param) == (400, "input, messages")
+    assert parse_body("pooling", orjson.dumps({"model": "m", "messages": chat})).messages == chat
+    assert parse_body("pooling", orjson.dumps({"model": "m", "input": "hi"})).prompts == ["hi"]
