@@ -156,8 +156,25 @@ def _pooling(body: dict[str, Any]) -> InferenceRequest:
     return InferenceRequest("completions", _model(body), 1, 0, None, prompts, None, truncate_to=truncation(body))
 
 
+# The pairs a score or rerank body may carry (vLLM 0.32's ScoreRequest union and RerankRequest).
+SCORE_PAIRS = (
+    frozenset({"query", "documents"}),
+    frozenset({"queries", "documents"}),
+    frozenset({"queries", "items"}),
+    frozenset({"text_1", "text_2"}),
+    frozenset({"data_1", "data_2"}),
+)
+_SCORE_KEYS = frozenset().union(*SCORE_PAIRS)
+
+
 def _score(body: dict[str, Any]) -> InferenceRequest:
-    """Scoring and reranking: one prompt per query/document pair (a cross-encoder reads them together)."""
+    """Scoring and reranking: one prompt per query/document pair (a cross-encoder reads them together). A body
+    with the fields of two pairs is a 400: vLLM's union of request types runs one of them (``text_1`` and
+    ``text_2`` beside ``queries`` and ``documents``: the latter), not necessarily the one priced."""
+    present = _SCORE_KEYS.intersection(body)
+    if len(present) > 2 or (len(present) == 2 and present not in SCORE_PAIRS):
+        fields = ", ".join(sorted(present))
+        raise bad_request(f"A score request carries one pair of inputs (found: {fields}).", param=fields)
     first = next((body[k] for k in ("query", "text_1", "data_1", "queries") if k in body), None)
     second = next((body[k] for k in ("documents", "text_2", "data_2", "items") if k in body), None)
     firsts, seconds = _as_texts(first, "query"), _as_texts(second, "documents")

@@ -290,3 +290,30 @@ def test_a_pooling_body_with_both_input_and_messages_is_400() -> None:
     assert (err.value.status, err.value.param) == (400, "input, messages")
     assert parse_body("pooling", orjson.dumps({"model": "m", "messages": chat})).messages == chat
     assert parse_body("pooling", orjson.dumps({"model": "m", "input": "hi"})).prompts == ["hi"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"text_1": "a", "text_2": "b", "queries": ["q"] * 3, "documents": ["d"] * 3},
+        {"queries": ["q"], "documents": ["d"], "items": ["i"] * 5},
+        {"query": "q", "items": ["i"]},
+    ],
+)
+def test_a_score_body_with_the_fields_of_two_pairs_is_400(body: dict[str, object]) -> None:
+    """vLLM 0.32 runs the first of these as queries x documents: priced as text_1 against the documents, the
+    queries' size went unpriced."""
+    with pytest.raises(GatewayError) as err:
+        parse_body("score", orjson.dumps({"model": "m", **body}))
+    assert err.value.status == 400 and err.value.param == ", ".join(sorted(k for k in body))
+
+
+def test_each_score_pair_alone_is_read() -> None:
+    for body in (
+        {"query": "q", "documents": ["d", "e"]},
+        {"queries": ["q", "r"], "documents": ["d", "e"]},
+        {"queries": "q", "items": ["i", "j"]},
+        {"text_1": "q", "text_2": ["d", "e"]},
+        {"data_1": "q", "data_2": ["d", "e"]},
+    ):
+        assert len(parse_body("score", orjson.dumps({"model": "m", **body})).prompts) == 2
