@@ -153,7 +153,7 @@ class RequestPath:
         # 3. estimate cost (tokenizing long prompts off the event loop)
         cost = await self.costs.estimate(request)
         # 4. rate limit (pre-charges prompt + reserved output; shared across replicas when Redis is configured)
-        tenant_policy = policy.resolve(tenant, request.model)
+        tenant_policy = policy.resolve(tenant, request.model, self.engines.model.names)
         await exchange.charge_rate_limits(tenant_policy, cost, (request.model or "", body_kind, tenant_policy.key))
         # 5. take a concurrency slot of the tenant, then admit, or wait in the queue, or be turned away
         if self.draining():  # a drain began while this one was being read or tokenized: it holds nothing yet

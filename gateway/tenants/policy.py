@@ -60,9 +60,15 @@ class Policy:
     def authenticate(self, authorization: bytes | None, anonymous: bool = True) -> str:
         return self.directory.authenticate(authorization, anonymous)
 
-    def resolve(self, tenant: str, model: str | None) -> TenantPolicy:
+    def resolve(self, tenant: str, model: str | None, served: tuple[str, ...] = ()) -> TenantPolicy:
+        """The tenant's limits for ``model``. ``served``: the names the engine's base model answers to; vLLM
+        runs a request without a model (or under any of them) on that model, so its limits are found under
+        whichever of them the tenant's ``models`` names: leaving out ``model`` does not leave its limits."""
         cfg = self.tenants.get(tenant)
-        override_key = model if cfg is not None and model is not None and model in cfg.models else None
+        override_key = None
+        if cfg is not None and cfg.models:
+            names = served if not model else (model, *served) if model in served else (model,)
+            override_key = next((name for name in names if name in cfg.models), None)
         cached = self._cache.get((tenant, override_key))
         if cached is None:
             cached = self._cache[(tenant, override_key)] = self._resolve(tenant, cfg, override_key)

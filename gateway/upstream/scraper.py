@@ -44,6 +44,7 @@ class ModelInfo:
     id: str | None = None
     max_model_len: int | None = None
     root: str | None = None
+    names: tuple[str, ...] = ()  # every name the base model answers to (--served-model-name), not LoRA adapters
 
 
 class Scraper:
@@ -156,7 +157,8 @@ class Scraper:
             return
         if data:
             first = data[0]
-            self.model = ModelInfo(first.get("id"), first.get("max_model_len"), first.get("root"))
+            names = tuple(m["id"] for m in data if isinstance(m.get("id"), str) and not m.get("parent"))
+            self.model = ModelInfo(first.get("id"), first.get("max_model_len"), first.get("root"), names)
             if self.on_model is not None:
                 await self.on_model(self.model)
 

@@ -30,7 +30,12 @@ class GuardedModels:
             return web.Response(status=self.status)
         if request.headers.get("authorization") != f"Bearer {KEY}":
             return web.json_response({"error": "Unauthorized"}, status=401)
-        return web.json_response({"data": [{"id": "m", "max_model_len": 2048, "root": "/models/m"}]})
+        models = [
+            {"id": "m", "max_model_len": 2048, "root": "/models/m", "parent": None},
+            {"id": "m-alias", "max_model_len": 2048, "root": "/models/m", "parent": None},
+            {"id": "a-lora", "max_model_len": 2048, "root": "/adapters/a", "parent": "m"},
+        ]
+        return web.json_response({"data": models})
 
 
 @pytest.fixture
@@ -68,7 +73,8 @@ async def test_discovery_sends_the_engines_api_key(
 
     s = scraper(url, api_key=KEY, on_model=on_model)
     await s.discover_model()
-    assert s.model == ModelInfo("m", 2048, "/models/m") and seen == [s.model]
+    # the base model's names (what a request without a model runs on), not the adapters'
+    assert s.model == ModelInfo("m", 2048, "/models/m", ("m", "m-alias")) and seen == [s.model]
     assert guarded.seen == [f"Bearer {KEY}"]
 
 

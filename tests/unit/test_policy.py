@@ -69,6 +69,25 @@ def test_policy_resolves_tenants_and_model_overrides() -> None:
     assert unknown.qclass == QueueClass() and not unknown.rates.any and unknown.max_concurrent is None
 
 
+def test_a_request_without_a_model_or_under_an_alias_keeps_the_served_models_limits() -> None:
+    """vLLM runs a request without ``model`` (or under any --served-model-name) on its base model: the tenant's
+    limits for that model apply, not its looser base limits. An alias configured itself keeps its own."""
+    cfg = parse_config(POLICY_YAML)
+    policy = Policy(cfg.auth, cfg.tenants, cfg.admission.queue_max_wait_s)
+    served = ("big-alias", "big")
+    for model in (None, "", "big", "big-alias"):
+        assert policy.resolve("team-a", model, served).key == "team-a/big", model
+    assert policy.resolve("team-a", None).key == "team-a"  # the served names not known yet
+    assert policy.resolve("team-a", "a-lora", served).key == "team-a"  # an adapter is not the base model
+    both = parse_config(
+        POLICY_YAML.replace("    models:\n", "    models:\n      big-alias:\n        max_concurrent: 2\n")
+    )
+    policy = Policy(both.auth, both.tenants, both.admission.queue_max_wait_s)
+    assert policy.resolve("team-a", "big", served).key == "team-a/big"
+    assert policy.resolve("team-a", "big-alias", served).key == "team-a/big-alias"
+    assert policy.resolve("team-a", None, served).key == "team-a/big-alias"  # the engine's first name
+
+
 def test_policy_cache_is_bounded_by_the_config_not_by_model_names() -> None:
     """A client's ``model`` string never becomes a cache key unless the tenant overrides that model."""
     cfg = parse_config(POLICY_YAML)
