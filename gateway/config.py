@@ -287,6 +287,12 @@ class TenantConfig(TenantLimits):
 class AuthConfig(_Model):
     require_api_key: bool = Field(False, description="401 for requests without a known key.")
     default_tenant: str = Field("default", description="Tenant of anonymous traffic (when keys are optional).")
+    isolate_prefix_cache: bool = Field(
+        False,
+        description="Each tenant's generations reach the engine with a cache_salt of its own: no tenant shares "
+        "cached prompt blocks with another (nor can time whether another's prefix is cached). Costs the hits "
+        "tenants would have had on each other's prefixes (a common system prompt).",
+    )
 
 
 class RedisConfig(_Model):

@@ -111,14 +111,15 @@ class Admitter:
         self._restates = itertools.count(1)  # numbers this replica's restates: a late one never undoes a newer
         self._waiters: dict[int, tuple[Ticket, asyncio.Future[Reservation], asyncio.TimerHandle]] = {}
 
-    def prefix_of(self, request: InferenceRequest) -> tuple[int, ...]:
+    def prefix_of(self, request: InferenceRequest, cache: str = "") -> tuple[int, ...]:
         """The chunk hashes prefix affinity places ``request`` by; none for a pool of one (nothing to choose
-        between) or with affinity off, so the sidecar layout pays nothing for it."""
+        between) or with affinity off, so the sidecar layout pays nothing for it. ``cache``: the tenant whose
+        prefix cache it can hit, when tenants' caches are kept apart (another's same prompt is no hit)."""
         config = self.controller.config.prefix_affinity
         if not config.enabled or len(self.controller.engines) < 2:
             return ()
         data = leading_bytes(request, config.chunk_bytes * config.max_chunks)
-        return prefix_chain(data, config.chunk_bytes, config.max_chunks)
+        return prefix_chain(data, config.chunk_bytes, config.max_chunks, seed=cache)
 
     async def acquire(
         self,

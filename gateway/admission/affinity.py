@@ -20,10 +20,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
-def prefix_chain(data: bytes, chunk_bytes: int, max_chunks: int) -> tuple[int, ...]:
-    """Hashes of ``data``'s leading whole chunks, each covering every chunk before it too."""
+def prefix_chain(data: bytes, chunk_bytes: int, max_chunks: int, seed: str = "") -> tuple[int, ...]:
+    """Hashes of ``data``'s leading whole chunks, each covering every chunk before it too (and ``seed``: whose
+    prefix cache the prompt may hit, when tenants' caches are kept apart)."""
     chain: list[int] = []
-    running = 0
+    running = hash(seed) if seed else 0
     for start in range(0, min(len(data) // chunk_bytes, max_chunks) * chunk_bytes, chunk_bytes):
         running = hash((running, data[start : start + chunk_bytes]))
         chain.append(running)

@@ -1,10 +1,11 @@
 """Parsing: turn a request body into the few fields admission needs, or a 400 that says what is wrong.
 
-The body itself is forwarded unchanged; we read it, never rewrite it. Checks stop at what the gateway relies
-on (prompt, messages, n, max_tokens, stream) and what it tokenizes (message content parts, names,
-tool calls, tools): anything the tokenizer or a chat template would trip over must be a 400 here, never a 500
-later. Everything else is the engine's business, except fields the engine acts on that are the gateway's to
-decide or that it cannot price (:data:`ENGINE_CONTROLS`, refused by :func:`refuse_engine_controls`).
+The body itself is forwarded unchanged (but for a tenant's cache salt: :mod:`gateway.protocol.cache_salt`).
+Checks stop at what the gateway relies on (prompt, messages, n, max_tokens, stream) and what it tokenizes
+(message content parts, names, tool calls, tools): anything the tokenizer or a chat template would trip over
+must be a 400 here, never a 500 later. Everything else is the engine's business, except fields the engine
+acts on that are the gateway's to decide or that it cannot price (:data:`ENGINE_CONTROLS`, refused by
+:func:`refuse_engine_controls`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from gateway.admission.queue import engine_priority
 from gateway.config import RequestLimitsConfig
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.bodies import parse_body
+from gateway.protocol.cache_salt import salted
 from gateway.protocol.errors import GatewayError, payload_too_large, shutting_down
 from gateway.protocol.requests import InferenceRequest
 from gateway.protocol.routes import BodyKind, route
@@ -148,6 +149,8 @@ class RequestPath:
         watch.start()  # from here on, a client that goes away cancels this request wherever it is
         await self.arrivals.turn()  # in a burst, a few per loop iteration: the admitted ones' I/O goes on
         request = await _parse(body_kind, raw)
+        if policy.isolate_prefix_cache and body_kind != "audio":
+            raw = salted(raw, tenant)  # the engine's prefix cache is shared by the tenant's requests alone
         exchange.stream_interval = max(request.stream_interval, self.stream_interval)  # vLLM takes the larger
         exchange.chat = request.messages is not None
         # 3. estimate cost (tokenizing long prompts off the event loop)
@@ -159,7 +162,8 @@ class RequestPath:
         if self.draining():  # a drain began while this one was being read or tokenized: it holds nothing yet
             raise shutting_down(1.0)
         await exchange.take_slot()
-        exchange.prefix = self.admitter.prefix_of(request)  # in a pool: the engine whose prefix cache has it
+        # in a pool: the engine whose prefix cache has it (the tenant's own cache, when they are kept apart)
+        exchange.prefix = self.admitter.prefix_of(request, tenant if policy.isolate_prefix_cache else "")
         await exchange.admit()
         # 6. forward and stream, on the engine it was placed on. An engine that refused the connection got
         #    nothing of it: that engine is ejected and the request placed again (a pool of one answers 503)

@@ -49,6 +49,7 @@ class Policy:
         self.version = version
         self.default_wait_s = default_wait_s
         self.directory = TenantDirectory(auth, tenants)
+        self.isolate_prefix_cache = auth.isolate_prefix_cache  # a cache_salt per tenant on every generation
         passthrough = passthrough or PassthroughConfig()
         self.allowed = frozenset(passthrough.allow)  # engine admin routes opened, and who may call them
         self.admin_keys = AdminKeys(passthrough.admin_api_keys)

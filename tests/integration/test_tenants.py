@@ -273,3 +273,53 @@ def test_the_engine_schedules_by_the_tenants_class_never_by_the_clients_priority
         "fcfs-batch": 0,
         "fcfs-zero": 0,
     }
+
+
+def test_each_tenant_has_a_prefix_cache_of_its_own_when_isolated(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
+) -> None:
+    """With ``auth.isolate_prefix_cache`` every generation reaches the engine with its tenant's cache_salt:
+    the same prompt from two tenants is salted apart, one tenant's requests share one salt (on every route), a
+    client's own salt splits its tenant's cache further but never lands on another tenant's, and an empty one is
+    a 400 as vLLM would answer. Without the option the body goes through as sent. Through the OpenAI SDK."""
+    import openai
+
+    upstream = mini_vllm()
+    tenants = [{"name": "a", "api_keys": ["sk-a"]}, {"name": "b", "api_keys": ["sk-b"]}]
+    config: dict[str, object] = {"tokenizer": "heuristic", "tenants": tenants}
+    isolated = gateway(upstream, {**config, "auth": {"require_api_key": True, "isolate_prefix_cache": True}})
+    shared = gateway(upstream, {**config, "auth": {"require_api_key": True}})
+
+    def send(gw: str, key: str, rid: str, body: dict[str, object] | None = None, chat: bool = False) -> None:
+        client = openai.OpenAI(base_url=gw + "/v1", api_key=key, max_retries=0)
+        headers = {"x-request-id": rid}
+        if chat:
+            messages = [{"role": "user", "content": "the same long system prompt"}]
+            client.chat.completions.create(
+                model="mini",
+                messages=messages,
+                max_tokens=4,
+                extra_headers=headers,
+                extra_body=body,  # type: ignore[arg-type]
+            )
+        else:
+            client.completions.create(
+                model="mini", prompt="the same long system prompt", max_tokens=4, extra_headers=headers, extra_body=body
+            )
+
+    send(isolated, "sk-a", "a1")
+    send(isolated, "sk-a", "a2", chat=True)
+    send(isolated, "sk-b", "b1")
+    send(isolated, "sk-b", "b-own", {"cache_salt": "mine"})
+    send(isolated, "sk-a", "a-own", {"cache_salt": "mine"})
+    send(shared, "sk-a", "plain", {"cache_salt": "mine"})
+    send(shared, "sk-b", "none")
+    with pytest.raises(openai.BadRequestError) as refused:
+        send(isolated, "sk-a", "empty", {"cache_salt": ""})
+    assert refused.value.body["param"] == "cache_salt"  # type: ignore[index]
+
+    salts = {rid.rpartition("-")[0]: s for rid, s in httpx.get(upstream + "/debug/cache_salts").json().items()}
+    assert "empty" not in salts
+    assert salts["a1"] == salts["a2"] and salts["a1"] != salts["b1"]
+    assert len({salts["a1"], salts["b1"], salts["a-own"], salts["b-own"]}) == 4
+    assert salts["plain"] == "mine" and salts["none"] is None

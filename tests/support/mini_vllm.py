@@ -55,6 +55,7 @@ class State:
     eof_delay_s: float = 0.0  # between a stream's [DONE] and the end of its response
     seen: list[tuple[str, str, str]] = field(default_factory=list)  # (method, raw target, x-request-id), no /debug/
     priorities: dict[str, int] = field(default_factory=dict)  # x-request-id -> the priority vLLM would schedule by
+    cache_salts: dict[str, str | None] = field(default_factory=dict)  # x-request-id -> the body's cache_salt
     process_started: float = field(default_factory=time.time)  # vLLM's process_start_time_seconds
     api_key: str | None = None  # vLLM's --api-key
     keyed: list[tuple[str, bool]] = field(default_factory=list)  # (path, carried the key), with an api key only
@@ -102,6 +103,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.get("model") not in (None, st.model):
         return _error(404, f"The model `{body.get('model')}` does not exist.", "NotFoundError")
     st.priorities[request.headers.get("x-request-id", "")] = _priority(request, body)
+    st.cache_salts[request.headers.get("x-request-id", "")] = body.get("cache_salt")
     prompt = _prompt_tokens(body)
     truncate = body.get("truncate_prompt_tokens")
     if isinstance(truncate, int) and truncate >= -1:  # vLLM keeps that many (-1: the context less one)
@@ -350,6 +352,10 @@ async def priorities(request: web.Request) -> web.Response:
     return web.json_response(request.app["state"].priorities)
 
 
+async def cache_salts(request: web.Request) -> web.Response:
+    return web.json_response(request.app["state"].cache_salts)
+
+
 async def responses_or_messages(request: web.Request) -> web.Response:
     """``/v1/responses`` and ``/v1/messages``, not streamed, answered as vLLM answers them: their usage says
     ``input_tokens`` / ``output_tokens`` (OpenAI Responses and Anthropic shapes), not ``prompt_tokens``."""
@@ -400,6 +406,7 @@ def make_app(args: argparse.Namespace) -> web.Application:
     app.router.add_post("/debug/reset", reset_peak)
     app.router.add_get("/debug/requests", seen)
     app.router.add_get("/debug/priorities", priorities)
+    app.router.add_get("/debug/cache_salts", cache_salts)
     app.router.add_get("/debug/keyed", keyed)
     app.router.add_route("*", "/{tail:.*}", any_route)
     return app

@@ -141,3 +141,12 @@ def test_no_affinity_without_a_prefix_or_without_room_at_home() -> None:
         pass
     assert engine == other  # home is full to the watermark: elsewhere
     assert sum(r.blocks for r in c.engines[home].ledger.live()) <= 90
+
+
+def test_tenants_with_caches_apart_do_not_share_chunk_hashes() -> None:
+    """With ``auth.isolate_prefix_cache`` another tenant's same prompt is no hit on the engine that has it:
+    seeded by the tenant, the chains differ from the first chunk on, and the same tenant's agree."""
+    data = b"the same system prompt " * 8
+    a, b = prefix_chain(data, CHUNK, 8, seed="a"), prefix_chain(data, CHUNK, 8, seed="b")
+    assert a == prefix_chain(data, CHUNK, 8, seed="a") and len(a) == len(b) > 0
+    assert not set(a) & set(b) and not set(a) & set(prefix_chain(data, CHUNK, 8))
