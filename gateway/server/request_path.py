@@ -33,6 +33,7 @@ from gateway.server.response import ResponseWriter, Send
 from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import Policy
 from gateway.tokens.estimator import CostEstimator
+from gateway.upstream.broadcast import Reply, agreed
 from gateway.upstream.forwarder import EngineUnreachable, upstream_headers
 from gateway.upstream.pool import EnginePool
 
@@ -102,7 +103,7 @@ class RequestPath:
                         policy.admin_keys.check(authorization)
                     else:
                         policy.authenticate(authorization, anonymous=False)
-                    await self.passthrough(exchange, target, scope, receive, watch)
+                    await self.passthrough(exchange, target, scope, receive, watch, every_engine=True)
                     return
                 tenant = policy.authenticate(authorization)
                 if where.kind == "generation":
@@ -186,15 +187,36 @@ class RequestPath:
             self.costs.learn(request, cost, exchange.usage.prompt_tokens)
 
     async def passthrough(
-        self, exchange: Exchange, target: str, scope: dict[str, Any], receive: Receive, watch: DisconnectWatch
+        self,
+        exchange: Exchange,
+        target: str,
+        scope: dict[str, Any],
+        receive: Receive,
+        watch: DisconnectWatch,
+        every_engine: bool = False,
     ) -> None:
+        """A read-only route, to one engine of the pool; an allow-listed admin route (``every_engine``), to each
+        of them: it changes an engine's state (an adapter loaded on one engine would be missing on the rest)."""
         body = await read_body(receive, self.limits.max_body_bytes)
         exchange.body_read(len(body))
         watch.start()
         headers = upstream_headers(scope["headers"], exchange.engine_request_id, self.upstream_api_key)
         exchange.sending()
         echo = [(b"x-request-id", exchange.request_id.encode("latin-1"))]
-        await self.engines.any_forwarder().passthrough(scope["method"], target, body, headers, exchange.writer, echo)
+        forwarders = self.engines.every_forwarder() if every_engine else []
+        if len(forwarders) < 2:
+            forwarder = self.engines.any_forwarder()
+            await forwarder.passthrough(scope["method"], target, body, headers, exchange.writer, echo)
+            return
+        calls = [f.fetch(scope["method"], target, body, headers) for f in forwarders]
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+        for failed in replies:
+            if isinstance(failed, BaseException) and not isinstance(failed, GatewayError):
+                raise failed  # a bug, not an engine's answer
+        reply = agreed([r for r in replies if isinstance(r, Reply | GatewayError)])
+        said = [(b"x-kvgate-engines", b"%d" % len(calls)), (b"content-length", b"%d" % len(reply.body))]
+        await exchange.writer.start(reply.status, [*reply.headers, *echo, *said])
+        await exchange.writer.body(reply.body)
 
 
 def raw_path_of(scope: dict[str, Any]) -> str:

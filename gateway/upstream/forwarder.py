@@ -21,6 +21,7 @@ import orjson
 
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError, engine_busy
+from gateway.upstream.broadcast import Reply
 from gateway.upstream.http_client import ConnectFailed, Pool, Response, UpstreamError
 
 log = logging.getLogger("kvgate.upstream")
@@ -325,6 +326,15 @@ class Forwarder:
                 async for chunk in resp.chunks():
                     await writer.body(chunk, more=True)
                 await writer.body(b"")
+        except (UpstreamError, TimeoutError) as exc:
+            raise self._failure(exc) from exc
+
+    async def fetch(self, method: str, target: str, body: bytes, headers: list[tuple[bytes, bytes]]) -> Reply:
+        """An admin call's whole answer, to be compared with the other engines' (see :mod:`.broadcast`)."""
+        try:
+            async with await self.pool.request(method, target, headers, body, self.timeout_s) as resp:
+                chunks = [chunk async for chunk in resp.chunks()]
+                return Reply(resp.status, relayed_headers(resp.headers), b"".join(chunks))
         except (UpstreamError, TimeoutError) as exc:
             raise self._failure(exc) from exc
 

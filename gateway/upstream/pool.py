@@ -163,6 +163,11 @@ class EnginePool:
             raise upstream_unavailable("No inference engine is in the pool.", 1.0)
         return candidates[next(self._turn) % len(candidates)].forwarder
 
+    def every_forwarder(self) -> list[Forwarder]:
+        """For an allow-listed admin call: every engine of the pool, in order, reachable or not (one that
+        misses the call is one whose state now differs: the client is told)."""
+        return [engine.forwarder for engine in self.engines.values()]
+
     @property
     def first(self) -> Engine | None:
         return next(iter(self.engines.values()), None)

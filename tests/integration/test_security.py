@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gateway.protocol.routes import GENERATION, READ_ONLY
-from tests.support.procs import Proc
+from tests.support.procs import Proc, free_port
 from tests.support.promtext import scrape
 
 pytestmark = pytest.mark.e2e
@@ -286,3 +286,29 @@ def test_clients_at_the_connection_limit_do_not_fail_the_probes(procs: list[Proc
     finally:
         for sock in held:
             sock.close()
+
+
+def test_an_allowed_admin_call_reaches_every_engine_of_a_pool(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
+) -> None:
+    """``/v1/load_lora_adapter`` sent to one engine of a pool would leave the adapter missing on the others
+    (their requests for it a 404): each engine gets the call, and the client hears the answer they agreed on,
+    or a 502 that says which engine answered what (never where it is) when one of them could not be reached."""
+    first, second = mini_vllm(), mini_vllm()
+    allow = {"allow": ["/v1/load_lora_adapter"], "admin_api_keys": [ADMIN]}
+    config = {**CONFIG, "passthrough": allow}
+    gw = gateway(first, config, extra_args=["--upstream", second])
+    body = b'{"lora_name": "a", "lora_path": "/adapters/a"}'
+    admin = {"authorization": f"Bearer {ADMIN}", "x-request-id": "load"}
+    resp = httpx.post(gw + "/v1/load_lora_adapter", content=body, headers=admin)
+    assert resp.status_code == 200 and resp.headers["x-kvgate-engines"] == "2"
+    assert reached(first, "load") == reached(second, "load") == [("POST", "/v1/load_lora_adapter")]
+    assert raw_request(gw, "GET", "/v1/models", rid="models") == 200  # a read-only route: one engine
+    assert len(reached(first, "models") + reached(second, "models")) == 1
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = gateway(first, config, extra_args=["--upstream", dead], ready=False)
+    resp = httpx.post(gw + "/v1/load_lora_adapter", content=body, headers=admin)
+    error = resp.json()["error"]
+    assert resp.status_code == 502 and error["code"] == "engines_disagree"
+    assert "engine 1: 200, engine 2: 503" in error["message"] and "127.0.0.1" not in error["message"]
