@@ -307,6 +307,28 @@ def test_other_tokenizer_specs_count_exactly(engine: VllmEngine, spec: str, chos
     assert estimated == actual
 
 
+def test_isolated_tenants_do_not_hit_each_others_prefix_cache(engine: VllmEngine) -> None:
+    """With ``auth.isolate_prefix_cache`` vLLM accepts kvgate's salts and keeps tenants' cached blocks apart:
+    the same 300-token prompt (two whole blocks of 128) hits the prefix cache for the tenant that sent it
+    before, never for another tenant. Counted by the engine itself (``vllm:prefix_cache_hits``, in tokens)."""
+    tenants = [{"name": "a", "api_keys": ["sk-a"]}, {"name": "b", "api_keys": ["sk-b"]}]
+    config = {"auth": {"require_api_key": True, "isolate_prefix_cache": True}, "tenants": tenants}
+    prompt = list(range(3000, 3300))  # sent by no other test: nothing of it is cached yet
+
+    with start_gateway(engine.base_url, config, tokenizer=f"hf:{model_dir()}") as gw:
+
+        def hits(key: str) -> float:
+            before = metric_sum(scrape(engine.base_url, timeout_s=10), "vllm:prefix_cache_hits_total")
+            sdk = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=300.0)
+            sdk.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1)
+            return metric_sum(scrape(engine.base_url, timeout_s=10), "vllm:prefix_cache_hits_total") - before
+
+        assert hits("sk-a") == 0
+        assert hits("sk-b") == 0  # the same prompt, cached for tenant a only
+        assert hits("sk-a") >= 256  # its own two blocks
+        assert hits("sk-b") >= 256
+
+
 # --- the saturation burst ---------------------------------------------------------------------------------
 
 
