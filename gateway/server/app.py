@@ -188,9 +188,15 @@ class Gateway:
             download=self.config.tokenizer_download,
             offload_chars=self.config.limits.offload_tokenize_chars,
             cache=self.tokenize_cache,
+            tokenize_at=self._tokenize_url,
         )
         counter = self.costs.counter
         log.info("counting prompt tokens with %s (source: %s)", counter.name, counter.source)
+
+    def _tokenize_url(self) -> str:
+        """Whose /tokenize counts a prompt: an engine of the pool that takes requests, in turn (engines come
+        and go; the one there at start-up may be gone, and a discovered pool has none at start-up)."""
+        return self.pool.any_forwarder().base_url
 
     def begin_drain(self) -> None:
         """SIGTERM: report not-ready, refuse new requests, answer queued ones with 503 + Retry-After."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -52,7 +52,7 @@ class TokenCounter:
         local: LocalTokenizer | None,
         *,
         session: aiohttp.ClientSession | None = None,
-        upstream: str | None = None,
+        upstream: str | Callable[[], str] | None = None,
         api_key: str | None = None,
         offload_chars: int = 4096,
         executor: ThreadPoolExecutor | None = None,
@@ -65,7 +65,9 @@ class TokenCounter:
             raise ValueError("a remote counter needs a session and an upstream URL")
         self.local = local
         self._session = session
-        self._upstream = (upstream or "").rstrip("/")
+        # where /tokenize is: one engine, or whichever engine of a pool takes requests at each call (they come
+        # and go: a URL fixed at start-up may be an engine since gone, or none at all)
+        self._upstream: Callable[[], str] = upstream if callable(upstream) else (lambda: upstream or "")
         self._headers = {**_JSON, **engine_headers(api_key)}
         self._offload_chars = offload_chars
         self._executor = executor or ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvgate-tokenize")
@@ -119,7 +121,7 @@ class TokenCounter:
 
     async def _post_tokenize(self, payload: bytes) -> int:
         assert self._session is not None
-        url = f"{self._upstream}/tokenize"
+        url = f"{self._upstream().rstrip('/')}/tokenize"
         try:
             async with self._session.post(url, data=payload, headers=self._headers, timeout=self._timeout) as resp:
                 status, body = resp.status, await resp.read()

@@ -8,7 +8,7 @@ that to the heuristic. The choice decides how exact admission is, so it is logge
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import aiohttp
@@ -42,10 +42,12 @@ async def build_counter(
     download: bool = False,
     tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S,
     cache: CountCache | None = None,
+    tokenize_at: Callable[[], str] | None = None,
 ) -> TokenCounter:
     """The counter for ``spec``. An explicit spec that cannot be loaded raises :class:`TokenizerUnavailable`
     (start-up stops); ``auto`` always finds one (see :func:`choose_auto`). ``api_key`` is the engine's, for
-    /tokenize."""
+    /tokenize; ``tokenize_at`` says which engine's /tokenize to call at each count (in a pool: one that takes
+    requests now), else ``upstream``'s."""
     if spec == "vllm":
         choice: Choice = (None, "engine")
     elif spec == "auto":
@@ -55,7 +57,7 @@ async def build_counter(
     return TokenCounter(
         choice[0],
         session=session,
-        upstream=upstream,
+        upstream=tokenize_at or upstream,
         api_key=api_key,
         offload_chars=offload_chars,
         tokenize_timeout_s=tokenize_timeout_s,

@@ -155,10 +155,14 @@ class EnginePool:
         return engine.forwarder
 
     def any_forwarder(self) -> Forwarder:
-        """For a read-only route: the engines that take requests, in turn."""
+        """For a read-only route (and /tokenize): the engines that take requests, in turn: placeable and with a
+        fresh sample (an engine that never answered a scrape is not ejected before its third failure); else
+        any placeable one, else any."""
         books = self.admitter.controller.engines
-        ready = [e for url, e in self.engines.items() if url in books and books[url].placeable]
-        candidates = ready or list(self.engines.values())
+        now = self.clock()
+        placeable = [e for url, e in self.engines.items() if (b := books.get(url)) is not None and b.placeable]
+        fresh = [e for e in placeable if not books[e.url].is_stale(now)]
+        candidates = fresh or placeable or list(self.engines.values())
         if not candidates:
             raise upstream_unavailable("No inference engine is in the pool.", 1.0)
         return candidates[next(self._turn) % len(candidates)].forwarder

@@ -280,3 +280,23 @@ def test_a_client_that_closes_on_done_has_had_its_whole_answer(
     assert metric_sum(metrics, "kvgate_completion_tokens_total") == 15
     assert metric_sum(metrics, "kvgate_client_disconnects_total", default=0.0) == 0
     assert_ledger_empty(gw)
+
+
+def test_a_pool_counts_tokens_on_an_engine_that_takes_requests(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
+) -> None:
+    """``tokenizer: vllm`` in a pool whose first engine is gone: prompts are counted by the engine that takes
+    requests (the /tokenize URL was fixed at start-up to the first engine, or to upstream.url when discovery
+    found the engines: a 503 for every request, for good)."""
+    from tests.support.procs import free_port
+
+    live = mini_vllm()
+    gone = f"http://127.0.0.1:{free_port()}"
+    gw = gateway(gone, {"tokenizer": "vllm"}, extra_args=["--upstream", live])
+    client = openai.OpenAI(base_url=gw + "/v1", api_key="x", max_retries=0)
+    for i in range(3):
+        assert (
+            client.completions.create(model="mini", prompt=f"count me {i}", max_tokens=2).usage.completion_tokens == 2
+        )
+    tokenized = [target for _, target, _ in httpx.get(live + "/debug/requests").json() if target == "/tokenize"]
+    assert len(tokenized) >= 3
