@@ -195,8 +195,9 @@ class Gateway:
 
     def _tokenize_url(self) -> str:
         """Whose /tokenize counts a prompt: an engine of the pool that takes requests, in turn (engines come
-        and go; the one there at start-up may be gone, and a discovered pool has none at start-up)."""
-        return self.pool.any_forwarder().base_url
+        and go; the one there at start-up may be gone, and a discovered pool has none at start-up); the
+        configured URL while the pool knows no engine yet."""
+        return self.pool.any_forwarder().base_url if self.pool.engines else self.config.upstream.url
 
     def begin_drain(self) -> None:
         """SIGTERM: report not-ready, refuse new requests, answer queued ones with 503 + Retry-After."""
