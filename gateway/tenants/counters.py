@@ -31,13 +31,12 @@ from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError, queue_timeout
 from gateway.tenants.policy import TenantPolicy
 from gateway.tenants.ratelimit import RateDecision, RateLimiter, RateLimits, ratelimit_headers
-from gateway.tenants.redis_store import RedisState, RedisUnavailable
+from gateway.tenants.redis_store import CHARGE_RECORD_TTL_S, RedisState, RedisUnavailable
 from gateway.tenants.slots import Slot, SlotTable
 
 log = logging.getLogger("kvgate.limits")
 
 _UNLIMITED = RateDecision(True, 0.0, None, None)
-_REFILL_S = 60.0  # a per-minute bucket is full again this long after its last charge
 
 
 @dataclass(slots=True)
@@ -359,10 +358,10 @@ class TenantCounters:
                 del self._unreleased[member]  # its lease has run out: Redis dropped it by itself
             else:
                 self._release_redis(key, member)
-        refilled = self.clock() - _REFILL_S
+        expired = self.clock() - CHARGE_RECORD_TTL_S
         for charge, (key, rates, tokens, requests, undo, since) in list(self._owed.items()):
             del self._owed[charge]
-            if since >= refilled:  # older: its record is gone, and the bucket has refilled by itself since
+            if since >= expired:  # older: Redis has dropped its record, which a refund needs
                 self._refund_redis(key, rates, charge, tokens, requests, undo, since)
 
     async def _renew_leases(self) -> None:

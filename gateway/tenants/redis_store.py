@@ -30,15 +30,20 @@ log = logging.getLogger("kvgate.redis")
 T = TypeVar("T")
 
 # A token bucket per key, the same arithmetic as gateway.tenants.ratelimit.TokenBucket: capacity per 60 s.
-# ARGV: rpm (0 = unlimited), tpm (0 = unlimited), tokens to charge.
+# ARGV: rpm (0 = unlimited), tpm (0 = unlimited), tokens to charge, the charge record's TTL (ms).
 # Returns {allowed, requests left, tokens left, request wait s, token wait s (-1 = never fits)}.
 # Each dimension keeps its level, when it was computed, and the capacity it was computed for ('r','rt','rc';
 # 't','tt','tc'). As in the in-process RateLimiter: a bucket that does not exist yet starts full (a new key, a
 # limit added by a reload), a resized one keeps what was used (TokenBucket.resize), and an unlimited dimension
 # keeps no bucket, so a limit added later starts full rather than from a stored 0. A key written before the
 # capacity was stored is taken to be at the current capacity.
-# KEYS[2], the charge's record ("requests tokens" it took, for a minute): what a refund may give back, once.
-# A record that says "undone" is a refund that came first (this check was late): it charges nothing.
+# KEYS[2], the charge's record ("requests tokens" it took): what a refund may give back, once. It is kept as
+# long as a request may last (CHARGE_RECORD_TTL_S), not the minute a bucket takes to refill: a busy tenant's
+# bucket never refills by itself, and a charge settled after two minutes in the queue and a long stream owes
+# what it did not use all the same. A record that says "undone" is a refund that came first (this check was
+# late): it charges nothing.
+CHARGE_RECORD_TTL_S = 3600
+_CHARGE_RECORD_TTL_MS = CHARGE_RECORD_TTL_S * 1000
 _CHECK = """
 local key = KEYS[1]
 local rpm, tpm, tokens = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -72,7 +77,7 @@ if rwait == 0 and twait == 0 then
   if tpm > 0 then tk = tk - tokens end
   if KEYS[2] then
     local took = (rpm > 0 and 1 or 0) .. ' ' .. (tpm > 0 and tokens or 0)
-    redis.call('SET', KEYS[2], took, 'PX', 61000)
+    redis.call('SET', KEYS[2], took, 'PX', ARGV[4])
   end
 end
 if rpm > 0 then
@@ -90,16 +95,16 @@ return {allowed, tostring(r), tostring(tk), tostring(rwait), tostring(twait)}
 """
 
 # Give back to a charge's buckets, once (KEYS[2], its record, goes): what the request did not use (ARGV:
-# rpm, tpm, requests, tokens, '0'), never more than the record says it took; or the whole charge ('1': undo,
-# for a check whose answer never came). An undo finding no record leaves one that says "undone", so a check
-# still on its way charges nothing. Amounts go back at the capacity the bucket was last charged with (as
-# TokenBucket.refund does; the next check resizes it); rpm and tpm are for a key written before the capacity
-# was stored.
+# rpm, tpm, requests, tokens, '0', the record's TTL in ms), never more than the record says it took; or the
+# whole charge ('1': undo, for a check whose answer never came). An undo finding no record leaves one that
+# says "undone", so a check still on its way charges nothing. Amounts go back at the capacity the bucket was
+# last charged with (as TokenBucket.refund does; the next check resizes it); rpm and tpm are for a key written
+# before the capacity was stored.
 _REFUND = """
 local key = KEYS[1]
 local record = redis.call('GET', KEYS[2])
 if not record then
-  if ARGV[5] == '1' then redis.call('SET', KEYS[2], 'undone', 'PX', 61000) end
+  if ARGV[5] == '1' then redis.call('SET', KEYS[2], 'undone', 'PX', ARGV[6]) end
   return 0
 end
 if record == 'undone' then return 0 end
@@ -508,7 +513,8 @@ class RedisState:
         refund of it gives back at most what it took, once."""
         rpm, tpm = limits.requests_per_minute or 0, limits.tokens_per_minute or 0
         keys = [self.key("rl", key)] if charge is None else [self.key("rl", key), self._charge_key(key, charge)]
-        out: list[Any] = await self._call(lambda: self._check(keys=keys, args=[rpm, tpm, tokens]))
+        args = [rpm, tpm, tokens, _CHARGE_RECORD_TTL_MS]
+        out: list[Any] = await self._call(lambda: self._check(keys=keys, args=args))
         allowed = int(out[0]) == 1
         req_left, tok_left, req_wait, tok_wait = (float(x) for x in out[1:])
         tok_wait = math.inf if tok_wait < 0 else tok_wait
@@ -528,7 +534,7 @@ class RedisState:
         answer never came); at most once, and never more than it took."""
         rpm, tpm = limits.requests_per_minute or 0, limits.tokens_per_minute or 0
         keys = [self.key("rl", key), self._charge_key(key, charge)]
-        args = [rpm, tpm, requests, tokens, int(undo)]
+        args = [rpm, tpm, requests, tokens, int(undo), _CHARGE_RECORD_TTL_MS]
         await self._call(lambda: self._refund(keys=keys, args=args))
 
     # --- concurrency slots --------------------------------------------------------------------------

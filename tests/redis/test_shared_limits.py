@@ -378,3 +378,25 @@ async def test_an_undo_that_lands_before_its_late_charge_makes_the_charge_take_n
     assert again.requests is not None and again.tokens is not None
     assert (again.requests.remaining, again.tokens.remaining) == (2, 99)
     await state.close()
+
+
+async def test_a_charge_can_be_refunded_as_long_as_a_request_may_last(redis_server: RedisServer) -> None:
+    """A charge settled after two minutes in the queue and a long stream still gets back what it did not use:
+    its record (what a refund may give back) is kept an hour, not the minute a bucket takes to refill (a busy
+    tenant's bucket never refills by itself). So is the record of an undo that came before its charge."""
+    state = RedisState(rcfg(redis_server))
+    await state.start()
+    raw = aioredis.Redis.from_url(redis_server.url)
+    try:
+        limits = RateLimits(None, 10_000)
+        assert (await state.check("long", limits, 8_000, "c1")).allowed
+        await state.refund("long", limits, "early", 0, 0, undo=True)  # an undo ahead of its charge
+        for charge in ("c1", "early"):
+            (record,) = [k async for k in raw.scan_iter(match=f"*rl-charge*:{charge}")]
+            assert await raw.pttl(record) > 55 * 60 * 1000
+        await state.refund("long", limits, "c1", 7_000)
+        left = (await state.check("long", limits, 1)).tokens.remaining  # type: ignore[union-attr]
+        assert 9_000 - 1 <= left < 10_000  # the 7,000 unused came back (and what refilled meanwhile)
+    finally:
+        await raw.aclose()
+        await state.close()
