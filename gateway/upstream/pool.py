@@ -34,9 +34,17 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
 async def resolve_addresses(host: str, port: int) -> list[str]:
-    """Every address ``host`` resolves to (A and AAAA), sorted."""
+    """The addresses ``host`` resolves to, sorted: its IPv4 ones, or its IPv6 ones when it has no IPv4 one.
+    Both would name every engine twice (a dual-stack headless Service answers A and AAAA for each pod): two
+    books, each seeing half its traffic."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return sorted({str(info[4][0]) for info in infos})
+    return one_family([(info[0], str(info[4][0])) for info in infos])
+
+
+def one_family(addresses: list[tuple[int, str]]) -> list[str]:
+    """``(family, address)`` pairs to the sorted addresses of one family: IPv4 when there is any, else IPv6."""
+    v4 = {address for family, address in addresses if family == socket.AF_INET}
+    return sorted(v4 or {address for family, address in addresses if family == socket.AF_INET6})
 
 
 def engine_url(scheme: str, address: str, port: int) -> str:

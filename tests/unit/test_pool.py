@@ -4,6 +4,7 @@ room, ejection and rejoining, restarts, engines leaving, and ledgers that stay e
 from __future__ import annotations
 
 import random
+import socket
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +14,7 @@ from gateway.admission.engine import EJECT_BASE_S, EJECT_MAX_S, SCRAPE_FAILURES_
 from gateway.admission.ledger import Reservation
 from gateway.config import AdmissionConfig, OutputEstimateConfig
 from gateway.tokens.cost import KvGeometry, RequestCost
+from gateway.upstream.pool import one_family
 
 CONFIG = AdmissionConfig(output_estimate=OutputEstimateConfig(enabled=False), exclusive_upstream=False)
 
@@ -197,3 +199,13 @@ def test_every_reservation_is_released_exactly_once_and_the_books_stay_exact(
     assert sum(b.ledger.released_count for b in c.engines.values()) <= sum(
         b.ledger.reserved_count for b in c.engines.values()
     )
+
+
+def test_a_dual_stack_name_gives_each_engine_once() -> None:
+    """A dual-stack headless Service answers A and AAAA records for every pod: both would make each engine two
+    engines with two books. IPv4 when there is any; IPv6 alone when that is all there is."""
+    dual = [(socket.AF_INET6, "fd00::2"), (socket.AF_INET, "10.0.0.2"), (socket.AF_INET6, "fd00::1")]
+    dual += [(socket.AF_INET, "10.0.0.1"), (socket.AF_INET, "10.0.0.1")]  # one per socket type, say
+    assert one_family(dual) == ["10.0.0.1", "10.0.0.2"]
+    assert one_family([(socket.AF_INET6, "fd00::1")]) == ["fd00::1"]
+    assert one_family([]) == []
