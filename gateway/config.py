@@ -431,6 +431,8 @@ class GatewayConfig(_Model):
     def with_overrides(self, **flags: Any) -> GatewayConfig:
         """Apply command-line flags (None means 'not given') on top of the file."""
         data = self.model_dump()
+        if flags.get("upstream") is not None and flags.get("upstream_dns") is not None:
+            raise ConfigError(["command line: --upstream and --upstream-dns name the engines two ways: give one"])
         mapping = {
             "upstream": ("upstream", "url"),
             "host": ("listen", "host"),
@@ -445,6 +447,7 @@ class GatewayConfig(_Model):
                     data["upstream"]["url"], data["upstream"]["urls"] = value[0], []
                 else:
                     data["upstream"]["url"], data["upstream"]["urls"] = value[0], list(value)
+                data["upstream"]["discovery"] = None  # the file's discovery would otherwise win over the flag
             elif flag == "upstream_dns":
                 host, _, port = str(value).rpartition(":") if ":" in str(value) else (str(value), "", "")
                 data["upstream"]["discovery"] = {"dns": host, **({"port": int(port)} if port else {})}

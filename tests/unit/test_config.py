@@ -54,6 +54,17 @@ def test_flags_override_the_file() -> None:
     assert (cfg.upstream.url, cfg.listen.port, cfg.tokenizer) == ("http://b:2", 9000, "heuristic:3")
 
 
+def test_engines_named_on_the_command_line_replace_the_files_discovery() -> None:
+    """--upstream (or KVGATE_UPSTREAM) over a file with ``discovery``: the flag's engines, as flags override the
+    file (the file's discovery used to win, silently); both --upstream and --upstream-dns: which one is meant?"""
+    file = "upstream:\n  discovery:\n    dns: vllm.default.svc.cluster.local\n"
+    cfg = parse_config(file).with_overrides(upstream=["http://b:2", "http://c:3"])
+    assert cfg.upstream.discovery is None and cfg.upstream.urls == ["http://b:2", "http://c:3"]
+    assert parse_config(file).with_overrides(upstream=None).upstream.discovery is not None
+    with pytest.raises(ConfigError, match="two ways"):
+        parse_config("{}").with_overrides(upstream=["http://b:2"], upstream_dns="vllm:8000")
+
+
 def test_validate_command(tmp_path: Path) -> None:
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text("admission:\n  queue_max_length: 10\n")
