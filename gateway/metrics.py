@@ -50,7 +50,10 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
         "Learned output tokens per sequence at a quantile, over all finished requests",
         ("quantile",),
     ),
-    "kvgate_pool_engines": ("Engines in the pool, by state (placeable, ejected, leaving)", ("state",)),
+    "kvgate_pool_engines": (
+        "Engines in the pool, by state (placeable, ejected, leaving, other_block_size)",
+        ("state",),
+    ),
     "kvgate_engine_kv_usage_observed": ("KV cache usage (0..1) in an engine's latest sample", ("engine",)),
     "kvgate_engine_kv_usage_projected": ("An engine's projected KV usage (0..1)", ("engine",)),
     "kvgate_engine_reserved_blocks": ("KV blocks reserved on an engine by its in-flight requests", ("engine",)),

@@ -217,6 +217,7 @@ class AdmissionController:
     def _forget_if_done(self, book: EngineBook) -> None:
         if book.leaving and len(book.ledger) == 0:
             del self.engines[book.name]
+            self._mark_block_sizes()  # the pool's block size may have been the one that left
 
     @property
     def only(self) -> EngineBook:
@@ -239,19 +240,28 @@ class AdmissionController:
 
     @property
     def geometry(self) -> KvGeometry | None:
-        """What a request is priced against: the block size the engines share, and the largest engine's pool
-        (a request that fits none of them never fits). Asked twice per request: the largest engine's own
-        geometry is returned when it says exactly that, rather than a new one built each time."""
+        """What a request is priced against: the pool's block size (the first known engine's) and the largest
+        pool of the engines with blocks of that size (a request that fits none of them never fits). Engines
+        with blocks of another size take nothing (:meth:`_mark_block_sizes`)."""
         largest: KvGeometry | None = None
-        block_size = 0  # the first known engine's
+        block_size = 0
         for book in self.engines.values():
             geometry = book.geometry
-            if geometry is not None and (largest is None or geometry.num_blocks > largest.num_blocks):
-                block_size = block_size or geometry.block_size
+            if geometry is None:
+                continue
+            block_size = block_size or geometry.block_size
+            if geometry.block_size == block_size and (largest is None or geometry.num_blocks > largest.num_blocks):
                 largest = geometry
-        if largest is None or largest.block_size == block_size:
-            return largest
-        return KvGeometry(block_size=block_size, num_blocks=largest.num_blocks)
+        return largest
+
+    def _mark_block_sizes(self) -> None:
+        """Keep out of placement the engines whose blocks are not the pool's size: a request's blocks, priced in
+        the pool's, would be half (or twice) what it holds there, and that engine would preempt (or idle)."""
+        pool = self.geometry
+        for book in self.engines.values():
+            book.other_block_size = (
+                pool is not None and book.geometry is not None and book.geometry.block_size != pool.block_size
+            )
 
     def in_flight(self) -> int:
         return sum(len(b.ledger) for b in self.engines.values())
@@ -270,6 +280,7 @@ class AdmissionController:
         verdict = book.apply_sample(sample)
         self.caution.observe(sample.taken_at, verdict.trouble)
         self._forget_if_done(book)
+        self._mark_block_sizes()
         self.lengths.set_in_flight(
             (res.key, res.generated)
             for b in self.engines.values()

@@ -109,6 +109,9 @@ class EngineBook:
         self.others_blocks: int | None = None if shared else 0
         self.shared = shared
         self.leaving = False  # gone from discovery: nothing new is placed here; dropped once its ledger is empty
+        # its KV blocks are another size than the pool's (a rolling update changing --block-size): requests are
+        # priced in the pool's blocks, so none is placed here until its size is the pool's
+        self.other_block_size = False
         self.ejected_until: float | None = None
         self.rejoined_at: float | None = None
         self.ejections_in_a_row = 0
@@ -177,7 +180,7 @@ class EngineBook:
 
     @property
     def placeable(self) -> bool:
-        return not self.leaving and not self.ejected
+        return not self.leaving and not self.ejected and not self.other_block_size
 
     # --- the decision -------------------------------------------------------------------------------
 

@@ -278,7 +278,7 @@ class Gateway:
         if samples:
             yield "kvgate_upstream_requests_running", (), sum(x.running for x in samples)
             yield "kvgate_upstream_requests_waiting", (), sum(x.waiting for x in samples)
-        for state in ("placeable", "ejected", "leaving"):
+        for state in ("placeable", "ejected", "leaving", "other_block_size"):
             yield "kvgate_pool_engines", (state,), float(sum(1 for b in books if engine_state(b) == state))
         for b in books:
             yield from engine_readings(b, projections[b.name])
@@ -366,7 +366,9 @@ def pool_usage(books: list[EngineBook]) -> float | None:
 
 
 def engine_state(book: EngineBook) -> str:
-    return "leaving" if book.leaving else "ejected" if book.ejected else "placeable"
+    if book.leaving:
+        return "leaving"
+    return "ejected" if book.ejected else "other_block_size" if book.other_block_size else "placeable"
 
 
 def engine_readings(book: EngineBook, projected: float | None) -> Iterator[Reading]:

@@ -209,3 +209,26 @@ def test_a_dual_stack_name_gives_each_engine_once() -> None:
     assert one_family(dual) == ["10.0.0.1", "10.0.0.2"]
     assert one_family([(socket.AF_INET6, "fd00::1")]) == ["fd00::1"]
     assert one_family([]) == []
+
+
+def test_an_engine_with_blocks_of_another_size_takes_nothing_until_its_size_is_the_pools() -> None:
+    """A rolling update from --block-size 16 to 32: requests are priced in the pool's 16-token blocks, half
+    what they hold on the new engine, which would fill past its watermark. It takes nothing (and does not make
+    a request fit that fits none of the 16-token engines) until the old engines have left."""
+    c = pool(100, 100)
+    c.add_engine("new")
+    c.begin_sample("new")
+    c.apply_sample(UsageSample(0.0, 0.0, KvGeometry(32, 1000)), "new")
+    assert c.engines["new"].other_block_size and not c.engines["new"].placeable
+    assert c.geometry == KvGeometry(16, 100)  # not the new engine's 1,000 blocks of 32
+    placed = [c.submit(req(5), "t", 0.1) for _ in range(10)]
+    assert all(isinstance(d, Admitted) and d.reservation.engine != "new" for d in placed)
+    for old in ("e0", "e1"):
+        c.remove_engine(old)
+    for d in placed:
+        assert isinstance(d, Admitted)
+        c.release(d.reservation, 0.2)
+    c.begin_sample("new")
+    c.apply_sample(UsageSample(0.0, 0.3, KvGeometry(32, 1000)), "new")
+    assert c.geometry == KvGeometry(32, 1000) and c.engines["new"].placeable
+    assert set(c.engines) == {"new"}
