@@ -234,27 +234,64 @@ def _still_running(proc: subprocess.Popen[bytes], seconds: float) -> bool:
     return False
 
 
+class FakeEngineMetrics:
+    """An engine's /metrics on a free port, holding ``running`` requests (changed by the test)."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.running = 0
+        metrics = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                body = (
+                    "# HELP vllm:num_requests_running Running\n"
+                    f'vllm:num_requests_running{{engine="0",model_name="m"}} {float(metrics.running)}\n'
+                    'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
+                ).encode()
+                self.send_response(200)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc/net/tcp")
-def test_engine_prestop_waits_for_the_gateway_to_let_go(rendered: dict[str, list[Manifest]]) -> None:
-    """Run vLLM's real preStop script: it holds while the gateway listens, then while a connection to the
-    engine is open (a stream being drained), and returns once both are gone."""
+def test_engine_prestop_waits_for_the_gateway_and_the_engines_requests(rendered: dict[str, list[Manifest]]) -> None:
+    """Run vLLM's real preStop script: it holds while the gateway listens, then while the engine still holds
+    requests (a stream being drained), and returns once both are done; a connection merely left open (the
+    keep-alive of a Prometheus or gateway scraper) does not hold it."""
     script = engine_prestop(rendered["sidecar"])
     compile(script, "preStop", "exec")
-    gateway, engine = _free_listener(), _free_listener()
-    client = socket.create_connection(engine.getsockname())
-    server_side, _ = engine.accept()
-    proc = _start_prestop(script, gateway.getsockname()[1], engine.getsockname()[1], max_wait=30)
+    gateway, engine = _free_listener(), FakeEngineMetrics()
+    idle = socket.create_connection(("127.0.0.1", engine.port))  # a scraper's keep-alive, open throughout
+    engine.running = 1
+    proc = _start_prestop(script, gateway.getsockname()[1], engine.port, max_wait=30)
     try:
         assert _still_running(proc, 1.0), "returned while the gateway was still listening"
         gateway.close()
-        assert _still_running(proc, 1.5), "returned while a stream to the engine was still open"
-        client.close()
-        server_side.close()
+        assert _still_running(proc, 1.5), "returned while the engine still held a request"
+        engine.running = 0
         assert proc.wait(timeout=5) == 0
     finally:
         proc.kill()
-        for s in (gateway, engine, client, server_side):
-            s.close()
+        idle.close()
+        gateway.close()
+        engine.close()
 
 
 def test_engine_prestop_gives_up_at_its_deadline(rendered: dict[str, list[Manifest]]) -> None:
@@ -287,11 +324,22 @@ def test_standalone_gateways_share_redis_and_fence_the_engine(rendered: dict[str
     policies = {p["metadata"]["name"]: p for p in find(docs, "NetworkPolicy")}
     fence = policies["vllm-from-kvgate-only"]["spec"]
     assert selects(fence["podSelector"]["matchLabels"], engine["spec"]["template"]["metadata"]["labels"])
-    allowed = [
-        src["podSelector"]["matchLabels"] for rule in fence["ingress"] for src in rule["from"] if "podSelector" in src
-    ]
-    assert allowed == [{"app.kubernetes.io/name": "kvgate"}]
+    assert fenced_sources(fence) == [{"app.kubernetes.io/name": "kvgate"}]
     assert one(docs, "Service", "kvgate")["spec"]["selector"] == {"app.kubernetes.io/name": "kvgate"}
+
+
+def fenced_sources(fence: dict[str, Any]) -> list[dict[str, str]]:
+    """The pods of kvgate's own namespace the engine fence lets in (their labels). Every other source must be
+    the Prometheus pods of a monitoring namespace, both selectors together: a namespace alone would let any of
+    its pods send the engine generations kvgate never admitted. No ipBlock around kvgate."""
+    local = []
+    for source in (src for rule in fence["ingress"] for src in rule["from"]):
+        assert set(source) <= {"podSelector", "namespaceSelector"}, "no ipBlock around kvgate"
+        if "namespaceSelector" in source:
+            assert source.get("podSelector", {}).get("matchLabels") == {"app.kubernetes.io/name": "prometheus"}
+        else:
+            local.append(source["podSelector"]["matchLabels"])
+    return local
 
 
 # CoreDNS's kubernetes plugin answers with a 5 s TTL by default: a pod that left the endpoints may still be
@@ -342,11 +390,7 @@ def test_pool_discovers_the_engines_through_a_headless_service(rendered: dict[st
     assert cfg["redis"]["replicas"] == gw["spec"]["replicas"]
     fence = {p["metadata"]["name"]: p for p in find(docs, "NetworkPolicy")}["vllm-from-kvgate-only"]["spec"]
     assert selects(fence["podSelector"]["matchLabels"], engine["spec"]["template"]["metadata"]["labels"])
-    allowed = [src for rule in fence["ingress"] for src in rule["from"]]
-    assert [s["podSelector"]["matchLabels"] for s in allowed if "podSelector" in s] == [
-        {"app.kubernetes.io/name": "kvgate"}
-    ]
-    assert all(set(s) <= {"podSelector", "namespaceSelector"} for s in allowed), "no ipBlock around kvgate"
+    assert fenced_sources(fence) == [{"app.kubernetes.io/name": "kvgate"}]
     assert pods_selected(docs, one(docs, "Service", "kvgate")["spec"]["selector"]) == [gw]
 
 
