@@ -97,6 +97,13 @@ class ListenConfig(_Model):
         "of its response (then it is cut off).",
     )
     keepalive_timeout_s: float = Field(30.0, gt=0, description="An idle keep-alive connection is closed after this.")
+    readiness: Literal["engine", "gateway"] = Field(
+        "engine",
+        description="engine: /readyz is 503 while the engines' metrics are stale (a sidecar: the Service routes "
+        "around the pod whose engine is down). gateway: /readyz is 200 once the engines have been seen, whether "
+        "they are fresh now or not (a tier of gateways in front of shared engines: while an engine restarts, "
+        "clients hear 503 with Retry-After from kvgate instead of finding no endpoint at all).",
+    )
     max_connections: int = Field(
         4096, ge=1, description="Connections (and requests) served at once; beyond it new ones get 503."
     )

@@ -243,12 +243,15 @@ class Gateway:
     # --- the gateway's own endpoints ----------------------------------------------------------------
 
     def is_ready(self) -> tuple[bool, str]:
+        """Ready to take traffic; with ``listen.readiness: gateway``, stale engines leave it ready (it says
+        why in the reason), as its clients are better off with its 503s than with no endpoint."""
         if self.draining:
             return False, "draining"
         if self.controller.geometry is None:
             return False, "KV-cache geometry unknown (no vllm:cache_config_info yet)"
         if self.controller.is_stale(self.clock()):
-            return False, f"upstream metrics stale ({self.pool.last_error or 'no sample yet'})"
+            stale = f"upstream metrics stale ({self.pool.last_error or 'no sample yet'})"
+            return self.config.listen.readiness == "gateway", stale
         return True, "ok"
 
     def _gauge_readings(self) -> Iterator[Reading]:

@@ -242,8 +242,13 @@ def test_request_id_is_propagated(pair: tuple[str, str]) -> None:
 
 
 def test_health_and_readiness(mini_vllm: Callable[..., str], gateway: Callable[..., str], procs: list) -> None:
+    """A sidecar's readiness follows its engine (the Service routes around the pod); a tier of gateways in front
+    of a shared engine (``listen.readiness: gateway``) stays ready while the engine is down, and its clients
+    hear 503 with Retry-After rather than finding no endpoint."""
     upstream = mini_vllm()
-    gw = gateway(upstream, {"tokenizer": "heuristic", "admission": {"stale_after_s": 0.5}})
+    config = {"tokenizer": "heuristic", "admission": {"stale_after_s": 0.5}}
+    gw = gateway(upstream, config)
+    tier = gateway(upstream, {**config, "listen": {"readiness": "gateway"}})
     assert httpx.get(gw + "/healthz").status_code == 200
     assert httpx.get(gw + "/readyz").json()["ready"] is True
     procs[0].stop()  # the engine dies
@@ -256,6 +261,10 @@ def test_health_and_readiness(mini_vllm: Callable[..., str], gateway: Callable[.
     assert ready.status_code == 503 and "stale" in ready.json()["reason"]
     assert httpx.get(gw + "/healthz").status_code == 200
     assert scrape(gw)["kvgate_scrape_errors_total"] >= 1
+    still = httpx.get(tier + "/readyz")
+    assert still.status_code == 200 and still.json()["ready"] is True and "stale" in still.json()["reason"]
+    refused = httpx.post(tier + "/v1/completions", json={"model": "mini", "prompt": "hi", "max_tokens": 2})
+    assert refused.status_code == 503 and "retry-after" in refused.headers
 
 
 def test_a_client_that_closes_on_done_has_had_its_whole_answer(
