@@ -282,6 +282,11 @@ class Admitter:
         tokens = metrics.tenant_admitted_tokens.labels(reservation.tenant, PRIORITIES[qclass.priority])
         tokens.inc(reservation.cost.total_tokens)
 
+    def events_are_tokens(self, engine: str) -> bool:
+        """Whether a stream's event count from ``engine`` is its tokens (else a floor: speculative decoding)."""
+        book = self.controller.engines.get(engine)
+        return book is None or book.events_are_tokens
+
     def learn(self, reservation: Reservation, completion_tokens: int, *, ended: bool = True) -> None:
         """A request completed with ``completion_tokens`` (or was stopped after them: ``ended=False``): the
         output-length estimate learns it."""

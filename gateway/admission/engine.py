@@ -70,6 +70,7 @@ class UsageSample:
     served: float = 0.0
     started_at: float | None = None
     tokens: float | None = None
+    multi_token_steps: bool = False  # speculative decoding: a stream's events are a floor of its tokens
 
     @property
     def mark(self) -> SampleMark | None:
@@ -177,6 +178,12 @@ class EngineBook:
     def ejected(self) -> bool:
         """Ejected until its backoff is over and a good sample has come in since."""
         return self.ejected_until is not None
+
+    @property
+    def events_are_tokens(self) -> bool:
+        """Each stream event of this engine is one token (at ``--stream-interval 1``): not with speculative
+        decoding, whose steps emit several."""
+        return self.sample is None or not self.sample.multi_token_steps
 
     @property
     def placeable(self) -> bool:

@@ -195,11 +195,14 @@ class Exchange:
         whole_answer = answered and not self.writer.event_stream
         if self.admission is not None:
             reservation = self.admission.reservation
-            # a length the engine said, or a stream's event count when each event is one token (a batched
-            # stream's count is only a floor, which would teach lengths short of the truth)
-            if answered and (self.usage is not None or (not whole_answer and self.stream_interval == 1)):
-                produced = self.usage.completion_tokens if self.usage is not None else self.generated
-                self._admitter.learn(reservation, produced)
+            if answered and self.usage is not None:
+                self._admitter.learn(reservation, self.usage.completion_tokens)  # the length the engine said
+            elif answered and not whole_answer:
+                # a stream without usage: its event count is its length when each event is one token; a batched
+                # or speculative stream's is only a floor, which would teach lengths short of the truth: it
+                # went at least that far
+                exact = self.stream_interval == 1 and self._admitter.events_are_tokens(reservation.engine)
+                self._admitter.learn(reservation, self.generated, ended=exact)
             elif outcome == "client_disconnect" and self.writer.event_stream:
                 # a stream its client left (a timeout cuts the longest): longer than what it was sent
                 self._admitter.learn(reservation, self.generated, ended=False)

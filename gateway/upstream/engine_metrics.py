@@ -28,6 +28,9 @@ START_TIME_METRIC = "process_start_time_seconds"  # the API server process: chan
 # Tokens the engine has processed: with the start time they order two scrapes of one engine process (see
 # gateway.admission.engine.SampleMark)
 TOKEN_METRICS = ("vllm:prompt_tokens", "vllm:generation_tokens")  # family names; the samples are ``..._total``
+# Exposed only by an engine whose steps may emit several tokens per sequence (speculative decoding, a diffusion
+# model): its stream events are then no count of tokens, only a floor.
+MULTI_TOKEN_STEP_SAMPLES = ("vllm:spec_decode_num_drafts_total", "vllm:diffusion_num_committed_tokens_total")
 
 WANTED_SAMPLES = (
     USAGE_METRIC,
@@ -39,6 +42,7 @@ WANTED_SAMPLES = (
     SUCCESS_METRIC + "_total",
     START_TIME_METRIC,
     *(name + "_total" for name in TOKEN_METRICS),
+    *MULTI_TOKEN_STEP_SAMPLES,
 )
 # A sample line of one of them: name, optional {labels} (greedy to the line's last brace, so a brace inside a
 # quoted value is harmless), value; an optional timestamp after it is ignored. Matched after a newline rather
@@ -73,6 +77,7 @@ class EngineMetrics:
     served: float = 0.0  # vllm:request_success_total over every finish reason
     started_at: float | None = None  # process_start_time_seconds
     tokens: float | None = None  # prompt + generation tokens processed, over every engine (None: not exposed)
+    multi_token_steps: bool = False  # speculative decoding (or a diffusion model): events carry several tokens
 
 
 def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -103,6 +108,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     totals: dict[str, float] = defaultdict(float)
     started_at: float | None = None
     tokens: float | None = None
+    multi_token_steps = False
     for name, labels, value in samples(text):
         engine = labels.get("engine", "0")
         if name == USAGE_METRIC:
@@ -119,6 +125,8 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
             started_at = value
         elif name in _TOKEN_SAMPLES:
             tokens = value + (tokens or 0.0)
+        elif name in MULTI_TOKEN_STEP_SAMPLES:
+            multi_token_steps = True
         elif name == CACHE_CONFIG_METRIC:
             if _int_label(labels, "num_gpu_blocks") is not None:
                 blocks[engine] = _int_label(labels, "num_gpu_blocks") or 0
@@ -144,6 +152,7 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
         served=totals[SUCCESS_METRIC],
         started_at=started_at,
         tokens=tokens,
+        multi_token_steps=multi_token_steps,
     )
 
 

@@ -119,6 +119,7 @@ class Scraper:
             served=engine.served,
             started_at=engine.started_at,
             tokens=engine.tokens,
+            multi_token_steps=engine.multi_token_steps,
         )
         for subscriber in self.subscribers:
             subscriber.sample(sample)

@@ -250,8 +250,8 @@ async def test_a_stream_that_broke_off_with_an_error_event_teaches_no_output_len
     """vLLM ends a generation that failed midway with an error event on a 200 stream: that answer is cut
     short, and learning its length would shrink the next requests' reservations right after an engine fault."""
     admitter, _ = make()
-    learned: list[int] = []
-    monkeypatch.setattr(admitter, "learn", lambda reservation, tokens: learned.append(tokens))
+    learned: list[tuple[int, bool]] = []
+    monkeypatch.setattr(admitter, "learn", lambda reservation, tokens, ended=True: learned.append((tokens, ended)))
     for broke_off, stream in ((True, True), (False, True), (False, False)):
         ex = exchange(admitter)
         await ex.charge_rate_limits(tenant(admitter), rc(5))
@@ -262,7 +262,7 @@ async def test_a_stream_that_broke_off_with_an_error_event_teaches_no_output_len
         assert ex.outcome == ("upstream_error" if broke_off else "completed")
     # the finished stream teaches its 3 events; a whole answer without usage teaches nothing (its length is
     # unknown, not the 0 or 3 the counters say)
-    assert learned == [3] and len(admitter.controller.ledger) == 0
+    assert learned == [(3, True)] and len(admitter.controller.ledger) == 0
 
 
 async def test_a_stream_its_client_left_teaches_that_outputs_run_longer_than_what_it_was_sent(
@@ -326,6 +326,27 @@ async def test_a_request_placed_again_waits_within_what_is_left_since_it_began_w
     assert budgets[0] == ex.wait_budget_s and budgets[1] <= ex.wait_budget_s - 0.2
     ex.close(None)
     assert len(admitter.controller.ledger) == 0
+
+
+async def test_a_speculative_or_batched_stream_without_usage_teaches_a_floor_not_a_length(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With speculative decoding (the engine's metrics show vllm:spec_decode_*) or a --stream-interval, a step's
+    event carries several tokens: a stream's event count is a floor of its length, learned as "at least that"
+    (a length would teach outputs short of the truth); each event is one token otherwise."""
+    admitter, _ = make()
+    learned: list[tuple[int, bool]] = []
+    monkeypatch.setattr(admitter, "learn", lambda reservation, tokens, ended=True: learned.append((tokens, ended)))
+    for speculative, interval in ((False, 1), (True, 1), (False, 4)):
+        admitter.sample(UsageSample(0.0, 0.0, multi_token_steps=speculative))
+        ex = exchange(admitter)
+        await ex.charge_rate_limits(tenant(admitter), rc(5))
+        await ex.admit()
+        ex.sending()
+        ex.stream_interval = interval
+        ex.writer.status, ex.writer.event_stream, ex.generated = 200, True, 9
+        ex.close(None)
+    assert learned == [(9, True), (9, False), (9, False)] and len(admitter.controller.ledger) == 0
 
 
 def _admitted_and_released(admitter: Admitter) -> tuple[float, float]:

@@ -144,3 +144,14 @@ def test_a_value_that_is_not_a_number_fails_the_scrape() -> None:
     """As prometheus_client's parser did: the scrape counts as failed rather than read a gauge as absent."""
     with pytest.raises(MetricsFormatError):
         parse_engine_metrics('vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:num_requests_running{engine="0"} abc\n')
+
+
+def test_an_engine_with_speculative_decoding_says_so_through_its_counters() -> None:
+    """vLLM exposes vllm:spec_decode_* only with --speculative-config (and vllm:diffusion_* for a diffusion
+    model): then a step may emit several tokens per sequence, and a stream's events are a floor of its tokens."""
+    plain = (DATA / "metrics-sample.txt").read_text()
+    assert not parse_engine_metrics(plain).multi_token_steps
+    drafts = '# TYPE vllm:spec_decode_num_drafts counter\nvllm:spec_decode_num_drafts_total{engine="0"} 12.0\n'
+    assert parse_engine_metrics(plain + drafts).multi_token_steps
+    diffusion = 'vllm:diffusion_num_committed_tokens_total{engine="0",model_name="m"} 0.0\n'
+    assert parse_engine_metrics(plain + diffusion).multi_token_steps
