@@ -74,13 +74,15 @@ class _Window:
     def censored_quantile(self, q: float, above: int, min_samples: int, running: list[int]) -> int | None:
         """The Kaplan-Meier ``q`` quantile of the lengths greater than ``above``, when ``running`` (sorted) are
         the tokens produced so far by requests that have not finished and :attr:`stopped` those of requests that
-        were stopped: each is known only to end past that. None when fewer than ``min_samples`` ended past
-        ``above``; :data:`BEYOND` when so many are censored that the survival never falls to ``1 - q`` (the
-        quantile lies past anything seen to end)."""
+        were stopped: each is known only to end past that. :data:`BEYOND` when so many are censored that the
+        survival never falls to ``1 - q`` (the quantile lies past anything seen to end), or when fewer than
+        ``min_samples`` ended past ``above`` but with the stopped ones the window holds that many (a tenant
+        whose cap stops most of its answers: not another key's shorter lengths); None when it holds fewer."""
         finished = self._sorted
         i = bisect.bisect_right(finished, above)
         if len(finished) - i < min_samples:
-            return None
+            stopped = len(self.stopped) - bisect.bisect_left(self.stopped, above)
+            return BEYOND if len(finished) - i + stopped >= min_samples else None
         censored = sorted(running + self.stopped) if self.stopped else running
         survival, target = 1.0, 1.0 - q + 1e-12
         while i < len(finished):

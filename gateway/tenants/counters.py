@@ -159,7 +159,7 @@ class TenantCounters:
         unused = max(0, charge.tokens - actual)
         if charge.backend == "local":
             self.local.settle(charge.key, charge.tokens, actual, self.clock(), request=reached_engine)
-        elif charge.backend == "redis" and (unused > 0 or not reached_engine):
+        elif charge.backend == "redis":  # with nothing to give back too: the refund deletes the charge's record
             self._refund_redis(charge.key, charge.rates, charge.id, unused, 0 if reached_engine else 1)
 
     def _refund_redis(
@@ -174,7 +174,7 @@ class TenantCounters:
     ) -> None:
         """Give back to the shared buckets in the background (at most once per charge: Redis keeps its record);
         a refund Redis does not take is owed, and retried with the slot renewals while the charge's record
-        lasts (a minute: by then the bucket has refilled by itself)."""
+        lasts (:data:`CHARGE_RECORD_TTL_S`)."""
         redis = self.redis
         if redis is None:
             return

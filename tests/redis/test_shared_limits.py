@@ -400,3 +400,24 @@ async def test_a_charge_can_be_refunded_as_long_as_a_request_may_last(redis_serv
     finally:
         await raw.aclose()
         await state.close()
+
+
+async def test_a_charge_settled_with_nothing_to_give_back_leaves_no_record(redis_server: RedisServer) -> None:
+    """A request that used its whole charge still deletes its record when it settles: kept an hour, the
+    records of every fully used charge would pile up in Redis (a thousand a second: millions)."""
+    limits = TenantCounters(rcfg(redis_server), GatewayMetrics())
+    await limits.start()
+    admin = aioredis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        charge = await limits.check(tenant(), 400)
+        assert charge.backend == "redis"
+        assert [k async for k in admin.scan_iter(match="*rl-charge*")]
+        limits.settle(charge, 400)  # every token used: nothing to give back
+        for _ in range(100):  # the refund runs in the background
+            if not [k async for k in admin.scan_iter(match="*rl-charge*")]:
+                break
+            await asyncio.sleep(0.02)
+        assert not [k async for k in admin.scan_iter(match="*rl-charge*")]
+    finally:
+        await admin.aclose()
+        await limits.close()

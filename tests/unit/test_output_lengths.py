@@ -192,7 +192,7 @@ def test_stopped_requests_only_ever_raise_the_estimate(observed: list[tuple[int,
     assert kept.samples(KEY) == min(window, len(observed))
     with_stopped, without = kept.quantile(KEY, q, above=above), dropped.quantile(KEY, q, above=above)
     if without is None:
-        assert with_stopped is None
+        assert with_stopped in (None, BEYOND)  # too few ended: none known, or past them (stopped ones)
     else:
         ended_lengths = [n for n, ended in observed[-window:] if ended]
         assert with_stopped is not None and without <= with_stopped
@@ -209,3 +209,18 @@ def test_a_key_only_ever_stopped_at_its_cap_reserves_past_it_once_enough_ended()
         est.observe(KEY, 100, ended=False)
     assert est.quantile(KEY, 0.7) == BEYOND
     assert est.quantile(KEY, 0.2) == 62  # within the ended ones: survival 0.8 after 13 of 64 ended
+
+
+def test_a_tenant_whose_answers_all_run_to_their_cap_is_not_given_another_tenants_lengths() -> None:
+    """Tenant t's requests all run into their cap of 1,000, u's end at 50 and are nine in ten: t has no ended
+    length of its own, and the coarser keys' are u's. Its 0.9 quantile lies past what it was let run (its whole
+    budget), not at 50."""
+    est = OutputLengths(min_samples=8)
+    for i in range(200):
+        if i % 10:
+            est.observe(("m", "chat", "u"), 50)
+        else:
+            est.observe(("m", "chat", "t"), 1000, ended=False)
+    assert est.quantile(("m", "chat", "t"), 0.9) == BEYOND
+    assert est.quantile(("m", "chat", "u"), 0.9) == 50
+    assert est.quantile(("m", "chat", "new"), 0.5) == 50  # a tenant with nothing yet: the model's
