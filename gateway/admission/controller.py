@@ -240,19 +240,20 @@ class AdmissionController:
 
     @property
     def geometry(self) -> KvGeometry | None:
-        """What a request is priced against: the pool's block size (the first known engine's) and the largest
-        pool of the engines with blocks of that size (a request that fits none of them never fits). Engines
-        with blocks of another size take nothing (:meth:`_mark_block_sizes`)."""
-        largest: KvGeometry | None = None
-        block_size = 0
-        for book in self.engines.values():
-            geometry = book.geometry
-            if geometry is None:
-                continue
-            block_size = block_size or geometry.block_size
-            if geometry.block_size == block_size and (largest is None or geometry.num_blocks > largest.num_blocks):
-                largest = geometry
-        return largest
+        """What a request is priced against: the pool's block size and the largest pool of the engines with
+        blocks of that size (a request that fits none of them never fits). The pool's block size is the one
+        with the most KV capacity among the engines that stay (a leaving engine still draining streams does
+        not hold the rest back); engines with blocks of another size take nothing (:meth:`_mark_block_sizes`)."""
+        known = [b.geometry for b in self.engines.values() if b.geometry is not None and not b.leaving]
+        if not known:
+            known = [b.geometry for b in self.engines.values() if b.geometry is not None]
+        if not known:
+            return None
+        totals: dict[int, int] = {}
+        for geometry in known:
+            totals[geometry.block_size] = totals.get(geometry.block_size, 0) + geometry.num_blocks * geometry.block_size
+        block_size = max(totals, key=lambda size: (totals[size], -size))
+        return max((g for g in known if g.block_size == block_size), key=lambda g: g.num_blocks)
 
     def _mark_block_sizes(self) -> None:
         """Keep out of placement the engines whose blocks are not the pool's size: a request's blocks, priced in

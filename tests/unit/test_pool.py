@@ -213,22 +213,24 @@ def test_a_dual_stack_name_gives_each_engine_once() -> None:
 
 def test_an_engine_with_blocks_of_another_size_takes_nothing_until_its_size_is_the_pools() -> None:
     """A rolling update from --block-size 16 to 32: requests are priced in the pool's 16-token blocks, half
-    what they hold on the new engine, which would fill past its watermark. It takes nothing (and does not make
-    a request fit that fits none of the 16-token engines) until the old engines have left."""
+    what they hold on the new engine, which would fill past its watermark. It takes nothing (and its blocks do
+    not count toward what fits) while the 16-token engines hold most of the pool's KV capacity; once they
+    are leaving, the pool is priced in its size, even while one of them still drains its streams."""
     c = pool(100, 100)
     c.add_engine("new")
     c.begin_sample("new")
-    c.apply_sample(UsageSample(0.0, 0.0, KvGeometry(32, 1000)), "new")
+    c.apply_sample(UsageSample(0.0, 0.0, KvGeometry(32, 50)), "new")  # the same tokens in half the blocks
     assert c.engines["new"].other_block_size and not c.engines["new"].placeable
-    assert c.geometry == KvGeometry(16, 100)  # not the new engine's 1,000 blocks of 32
+    assert c.geometry == KvGeometry(16, 100)
     placed = [c.submit(req(5), "t", 0.1) for _ in range(10)]
     assert all(isinstance(d, Admitted) and d.reservation.engine != "new" for d in placed)
-    for old in ("e0", "e1"):
-        c.remove_engine(old)
+    c.remove_engine("e0")
+    c.remove_engine("e1")  # both still drain their requests
+    c.begin_sample("new")
+    c.apply_sample(UsageSample(0.0, 0.2, KvGeometry(32, 50)), "new")
+    assert c.geometry == KvGeometry(32, 50) and c.engines["new"].placeable
+    assert c.engines["e0"].leaving and c.engines["e0"].other_block_size
     for d in placed:
         assert isinstance(d, Admitted)
-        c.release(d.reservation, 0.2)
-    c.begin_sample("new")
-    c.apply_sample(UsageSample(0.0, 0.3, KvGeometry(32, 1000)), "new")
-    assert c.geometry == KvGeometry(32, 1000) and c.engines["new"].placeable
+        c.release(d.reservation, 0.3)
     assert set(c.engines) == {"new"}
