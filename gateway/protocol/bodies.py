@@ -75,7 +75,8 @@ INVOCATION_TYPES: dict[str, tuple[str, ...]] = {
     "chat": ("messages",),
     "completions": ("prompt", "prompt_embeds"),
     "pooling": ("input",),
-    "scoring": ("query", "documents", "queries", "items", "data_1", "data_2", "text_1", "text_2"),
+    # not "documents": a chat carries them too (RAG chat templates), and a scoring body has its query beside them
+    "scoring": ("query", "queries", "items", "data_1", "data_2", "text_1", "text_2"),
     "plugin": ("data",),
 }
 

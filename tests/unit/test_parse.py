@@ -242,7 +242,7 @@ _CHAT = [{"role": "user", "content": "hi"}]
         ({"messages": _CHAT, "logprobs": 5, "max_tokens": 1, "prompt": [[1, 2, 3]] * 64}, "messages, prompt"),
         ({"messages": _CHAT, "input": "x"}, "messages, input"),
         ({"prompt": "x", "input": "x"}, "prompt, input"),
-        ({"prompt": "x", "query": "q", "documents": ["d"] * 100}, "prompt, query, documents"),
+        ({"prompt": "x", "query": "q", "documents": ["d"] * 100}, "prompt, query"),
         ({"input": "x", "text_1": "a", "text_2": "b"}, "input, text_1, text_2"),
         ({"input": "x", "data": {"image": "..."}}, "input, data"),
         ({"messages": _CHAT, "prompt": None}, "messages, prompt"),  # present is enough: deny by default
@@ -260,6 +260,8 @@ def test_an_invocation_with_the_fields_of_two_request_types_is_400(body: dict[st
 def test_an_invocation_of_one_request_type_is_read_as_that_type() -> None:
     chat = parse_body("invocations", orjson.dumps({"messages": _CHAT, "max_tokens": 3}))
     assert (chat.endpoint, chat.messages, chat.max_tokens) == ("chat", _CHAT, 3)
+    rag = parse_body("invocations", orjson.dumps({"messages": _CHAT, "documents": [{"text": "a doc"}]}))
+    assert rag.endpoint == "chat"  # a chat's documents (RAG templates): no scoring field
     completions = parse_body("invocations", orjson.dumps({"prompt": [[1, 2], [3]], "max_tokens": 2}))
     assert (completions.endpoint, completions.prompts, completions.max_tokens) == ("completions", [[1, 2], [3]], 2)
     pooling = parse_body("invocations", orjson.dumps({"input": ["a", "b"]}))
