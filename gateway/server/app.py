@@ -251,7 +251,8 @@ class Gateway:
             return False, "KV-cache geometry unknown (no vllm:cache_config_info yet)"
         if self.controller.is_stale(self.clock()):
             stale = f"upstream metrics stale ({self.pool.last_error or 'no sample yet'})"
-            return self.config.listen.readiness == "gateway", stale
+            seen = self.pool.age() < float("inf")  # not only configured (model.num_gpu_blocks): sampled, once
+            return self.config.listen.readiness == "gateway" and seen, stale
         return True, "ok"
 
     def _gauge_readings(self) -> Iterator[Reading]:

@@ -96,7 +96,8 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
     """The config file, then KVGATE_UPSTREAM, then the flags: each overrides what comes before it."""
     base = load_config(args.config) if args.config else GatewayConfig()
     return base.with_overrides(
-        upstream=args.upstream or upstreams_from_environment(),
+        # a flag overrides the environment: --upstream-dns names the engines instead of KVGATE_UPSTREAM
+        upstream=args.upstream or (None if getattr(args, "upstream_dns", None) else upstreams_from_environment()),
         upstream_dns=getattr(args, "upstream_dns", None),
         host=args.host,
         port=args.port,

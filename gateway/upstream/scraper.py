@@ -153,6 +153,7 @@ class Scraper:
                 if resp.status != 200:
                     self._discovery_failed(url, resp.status)
                     return
+                self._discovery_warned.clear()  # a refusal after this one (a rotated key) is logged again
                 data = orjson.loads(await resp.read()).get("data") or []
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return

@@ -1,0 +1,38 @@
+"""/readyz: a sidecar's follows its engine's metrics; a tier of gateways (``listen.readiness: gateway``) stays
+ready through an engine's restart, but only once it has sampled the engines (not from the config alone)."""
+
+from __future__ import annotations
+
+from gateway.admission.engine import UsageSample
+from gateway.config import GatewayConfig
+from gateway.server.app import Gateway
+from gateway.tokens.cost import KvGeometry
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_tier_gateway_is_ready_through_stale_metrics_once_it_has_sampled_the_engine() -> None:
+    configured = {"model": {"block_size": 16, "num_gpu_blocks": 1000}, "admission": {"stale_after_s": 1.0}}
+    for readiness, ready_when_stale in (("engine", False), ("gateway", True)):
+        clock = Clock()
+        gw = Gateway(GatewayConfig.model_validate({**configured, "listen": {"readiness": readiness}}), clock=clock)
+        try:
+            await gw.pool.start()  # its one engine, at 127.0.0.1:8000: nothing answers there
+            assert gw.controller.geometry == KvGeometry(16, 1000)  # known from the config alone
+            assert gw.is_ready()[0] is False  # never sampled: not ready either way
+            ((url, engine),) = gw.pool.engines.items()
+            engine.scraper.last_success = clock.now
+            gw.controller.begin_sample(url)
+            gw.controller.apply_sample(UsageSample(0.0, clock.now), url)
+            assert gw.is_ready() == (True, "ok")
+            clock.now += 5.0  # the engine restarts: its metrics go stale
+            ready, reason = gw.is_ready()
+            assert ready is ready_when_stale and "stale" in reason
+        finally:
+            await gw.shutdown()
