@@ -117,7 +117,10 @@ def test_chat_streaming(gateway: Proc) -> None:
             finish = chunk.choices[0].finish_reason or finish
         if chunk.usage is not None:
             usage = chunk.usage
-    assert chunks > 24 // 2, "the stream should arrive as many chunks, not one buffered body"
+    # vLLM's API server merges the deltas its consumer has not taken yet (RequestOutputCollector.put): on a busy
+    # machine 24 tokens came as 12 events. How many is the engine's doing; kvgate relays each as it comes
+    # (pinned against mini_vllm in tests/integration/test_proxy.py, test_streams_are_relayed_chunk_by_chunk).
+    assert chunks > 2, "the stream should arrive as many chunks, not one buffered body"
     assert text and finish == "length"
     assert usage is not None and usage.completion_tokens == 24
     assert usage.prompt_tokens == hf_tokenizer().count_messages(CHAT)
