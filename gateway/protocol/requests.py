@@ -1,7 +1,8 @@
 """Parsing: turn a request body into the few fields admission needs, or a 400 that says what is wrong.
 
-The body itself is forwarded unchanged (but for a tenant's cache salt: :mod:`gateway.protocol.cache_salt`).
-Checks stop at what the gateway relies on (prompt, messages, n, max_tokens, stream) and what it tokenizes
+The body itself is forwarded unchanged, but for two members appended to it: a stream's request for its usage
+(:mod:`gateway.protocol.stream_usage`) and a tenant's cache salt (:mod:`gateway.protocol.cache_salt`). Checks
+stop at what the gateway relies on (prompt, messages, n, max_tokens, stream) and what it tokenizes
 (message content parts, names, tool calls, tools): anything the tokenizer or a chat template would trip over
 must be a 400 here, never a 500 later. Everything else is the engine's business, except fields the engine
 acts on that are the gateway's to decide or that it cannot price (:data:`ENGINE_CONTROLS`, refused by
@@ -36,6 +37,9 @@ class InferenceRequest:
     truncate_to: int | None = None
     # vLLM's stream_interval: a stream's events after the first carry this many tokens each (the last fewer)
     stream_interval: int = 1
+    # a stream whose client asked for no usage (stream_options.include_usage): kvgate asks for it itself and
+    # drops it from the client's stream (gateway.protocol.stream_usage)
+    usage_hidden: bool = False
 
 
 # vLLM's CompletionRequest defaults max_tokens to 16; chat leaves it open (the context's rest).
@@ -124,7 +128,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     body = json_object(raw)
     refuse_engine_controls(body)
     model = optional_field(body, "model", str)
-    optional_field(body, "stream", bool)
+    stream = optional_field(body, "stream", bool)
     stream_options = optional_field(body, "stream_options", dict) or {}
     for key in ("include_usage", "continuous_usage_stats"):
         optional_field(stream_options, key, bool, f"stream_options.{key}")
@@ -167,6 +171,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         min_tokens=min_tokens,
         truncate_to=truncate_to,
         stream_interval=stream_interval,
+        usage_hidden=stream is True and stream_options.get("include_usage") is not True,
     )
 
 

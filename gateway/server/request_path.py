@@ -25,6 +25,7 @@ from gateway.protocol.cache_salt import salted
 from gateway.protocol.errors import GatewayError, payload_too_large, shutting_down
 from gateway.protocol.requests import InferenceRequest
 from gateway.protocol.routes import BodyKind, route
+from gateway.protocol.stream_usage import asking_usage
 from gateway.server.disconnect import ClientDisconnected, DisconnectWatch, Receive, connection_loss
 from gateway.server.exchange import Exchange
 from gateway.server.hints import client_hints
@@ -150,6 +151,8 @@ class RequestPath:
         watch.start()  # from here on, a client that goes away cancels this request wherever it is
         await self.arrivals.turn()  # in a burst, a few per loop iteration: the admitted ones' I/O goes on
         request = await _parse(body_kind, raw)
+        if request.usage_hidden:
+            raw = asking_usage(raw)  # a stream's usage is its exact length: asked for, and kept from the client
         if policy.isolate_prefix_cache and body_kind != "audio":
             raw = salted(raw, tenant)  # the engine's prefix cache is shared by the tenant's requests alone
         exchange.stream_interval = max(request.stream_interval, self.stream_interval)  # vLLM takes the larger
@@ -174,7 +177,13 @@ class RequestPath:
             exchange.sending()
             try:
                 relayed = await self.engines.forwarder(exchange.engine).inference(
-                    target, raw, headers, exchange.writer, exchange.reply_headers(), exchange.progress
+                    target,
+                    raw,
+                    headers,
+                    exchange.writer,
+                    exchange.reply_headers(),
+                    exchange.progress,
+                    hide_usage=request.usage_hidden,
                 )
                 exchange.usage, exchange.broke_off = relayed.usage, relayed.broke_off
                 break

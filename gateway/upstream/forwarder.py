@@ -21,6 +21,7 @@ import orjson
 
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError, engine_busy
+from gateway.protocol.stream_usage import UsageEventFilter
 from gateway.upstream.broadcast import Reply
 from gateway.upstream.http_client import ConnectFailed, Pool, Response, UpstreamError
 
@@ -248,14 +249,17 @@ class Forwarder:
         writer: Downstream,
         extra_headers: list[tuple[bytes, bytes]],
         on_progress: Callable[[int], None],
+        hide_usage: bool = False,
     ) -> Relayed:
-        """Forward one admitted request."""
+        """Forward one admitted request. ``hide_usage``: kvgate asked for a stream's usage the client did not
+        ask for: its event is read, not relayed."""
         started = time.perf_counter()
         try:
             async with await self.pool.request("POST", target, headers, body, self.timeout_s) as resp:
                 media_type = resp.media_type
                 if resp.status == 200 and media_type == "text/event-stream":
-                    return await self._relay_stream(resp, writer, extra_headers, on_progress, started)
+                    hidden = UsageEventFilter() if hide_usage else None
+                    return await self._relay_stream(resp, writer, extra_headers, on_progress, started, hidden)
                 payload = await resp.read()
                 self.metrics.ttft.observe(time.perf_counter() - started)
                 if resp.status == 503 and is_engine_busy(payload):
@@ -277,7 +281,9 @@ class Forwarder:
         extra_headers: list[tuple[bytes, bytes]],
         on_progress: Callable[[int], None],
         started: float,
+        hidden: UsageEventFilter | None = None,
     ) -> Relayed:
+        """``hidden``: drops the usage event from what the client gets (the engine's bytes are read whole)."""
         first = await resp.next_chunk() or b""
         self.metrics.ttft.observe(time.perf_counter() - started)
         if _first_event_is_busy(first):
@@ -290,16 +296,20 @@ class Forwarder:
         # close must not count as a client gone mid-answer (cancelled: no usage learned, billed as cut short).
         tail = first[-_TAIL_BYTES:]
         done = tail.endswith(_DONE)
-        await writer.body(first, more=not done)
+        out = first if hidden is None else hidden.feed(first)
+        if out or done:
+            await writer.body(out, more=not done)
         on_progress(events)
         while not done and (chunk := await resp.next_chunk()) is not None:
             tail = (tail + chunk)[-_TAIL_BYTES:]
             done = tail.endswith(_DONE)
-            await writer.body(chunk, more=not done)
+            out = chunk if hidden is None else hidden.feed(chunk)
+            if out or done:  # an event cut by the chunk's end waits for its rest
+                await writer.body(out, more=not done)
             events += chunk.count(b"data:")
             on_progress(events)
         if not done:
-            await writer.body(b"")
+            await writer.body(b"" if hidden is None else hidden.flush())
         self.metrics.latency.observe(time.perf_counter() - started)
         if done:  # nothing follows [DONE]: read the engine's response to its end, for its connection's reuse
             with contextlib.suppress(UpstreamError, TimeoutError):  # the answer is whole whatever happens now

@@ -126,6 +126,21 @@ def test_chat_streaming(gateway: Proc) -> None:
     assert usage.prompt_tokens == hf_tokenizer().count_messages(CHAT)
 
 
+def test_a_stream_without_usage_is_counted_by_the_engine_and_the_client_gets_none(gateway: Proc) -> None:
+    """The SDK's default stream (no stream_options): kvgate asks vLLM for the usage, bills the engine's count
+    (events are no count: vLLM merges deltas when busy), and drops that event from the client's stream."""
+    before = gateway_metric(gateway, "kvgate_completion_tokens_total")
+    stream = client(gateway.url).chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=20, stream=True, extra_body={"ignore_eos": True}
+    )
+    chunks = list(stream)
+    assert chunks and all(c.choices and c.usage is None for c in chunks)
+    deadline = time.monotonic() + 60  # the exchange settles as the engine's response ends, after [DONE]
+    while gateway_metric(gateway, "kvgate_completion_tokens_total") < before + 20 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gateway_metric(gateway, "kvgate_completion_tokens_total") == before + 20
+
+
 def test_completions_non_streaming_text_and_token_ids(engine: VllmEngine, gateway: Proc) -> None:
     sdk = client(gateway.url)
     prompt = "The quick brown fox jumps over the lazy dog."

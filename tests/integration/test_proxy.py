@@ -309,3 +309,31 @@ def test_a_pool_counts_tokens_on_an_engine_that_takes_requests(
         )
     tokenized = [target for _, target, _ in httpx.get(live + "/debug/requests").json() if target == "/tokenize"]
     assert len(tokenized) >= 3
+
+
+def test_a_stream_without_usage_is_counted_by_its_usage_and_the_client_gets_none(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
+) -> None:
+    """The OpenAI SDK streams without usage by default, and an engine's events are no count of tokens (here 4
+    tokens each, as vLLM sends them with --stream-interval, under speculative decoding or when its API server
+    lags). kvgate asks the engine for the usage, learns and bills the exact length, and the client's stream is
+    what it asked for: the same text, no usage chunk (a chunk without choices would break ``choices[0]``)."""
+    upstream = mini_vllm(stream_interval=4)
+    gw = gateway(upstream, {"tokenizer": "heuristic", "upstream": {"stream_interval": 4}})
+
+    def stream(base: str) -> tuple[str, list[object]]:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "count to thirty"}]
+        chunks = list(client.chat.completions.create(model="mini", messages=messages, max_tokens=30, stream=True))  # type: ignore[arg-type]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)  # every chunk has a choice
+        return text, [c.usage for c in chunks]
+
+    direct_text, _ = stream(upstream)
+    text, usages = stream(gw)
+    assert text == direct_text and usages == [None] * len(usages)
+    deadline = time.monotonic() + 60
+    while metric_sum(metrics := scrape(gw), "kvgate_reservations_released_total", default=0.0) < 1:
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.05)
+    assert metric_sum(metrics, "kvgate_completion_tokens_total") == 30  # the engine's count, not 8 events
+    assert metric_sum(metrics, "kvgate_client_disconnects_total", default=0.0) == 0
