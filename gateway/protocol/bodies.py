@@ -152,7 +152,8 @@ def _pooling(body: dict[str, Any]) -> InferenceRequest:
     if "messages" in body:
         if "input" in body:
             raise bad_request("A pooling request carries 'input' or 'messages', not both.", param="input, messages")
-        return replace(parse_request("chat", orjson.dumps(body)), sequences_per_prompt=1, max_tokens=0, min_tokens=0)
+        chat = parse_request("chat", orjson.dumps(body))
+        return replace(chat, sequences_per_prompt=1, max_tokens=0, min_tokens=0, usage_hidden=False)  # no stream
     prompts = _prompts(body.get("input"), "input")
     return InferenceRequest("completions", _model(body), 1, 0, None, prompts, None, truncate_to=truncation(body))
 

@@ -40,6 +40,7 @@ class InferenceRequest:
     # a stream whose client asked for no usage (stream_options.include_usage): kvgate asks for it itself and
     # drops it from the client's stream (gateway.protocol.stream_usage)
     usage_hidden: bool = False
+    stream_options_given: bool = False  # the body has stream_options (asking for the usage merges into them)
 
 
 # vLLM's CompletionRequest defaults max_tokens to 16; chat leaves it open (the context's rest).
@@ -172,6 +173,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         truncate_to=truncate_to,
         stream_interval=stream_interval,
         usage_hidden=stream is True and stream_options.get("include_usage") is not True,
+        stream_options_given="stream_options" in body,
     )
 
 

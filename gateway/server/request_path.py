@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.admission.admitter import Admitter
 from gateway.admission.queue import engine_priority
@@ -41,6 +41,7 @@ from gateway.upstream.pool import EnginePool
 log = logging.getLogger("kvgate.request")
 
 _PARSE_OFFLOAD_BYTES = 256 * 1024
+T = TypeVar("T")
 
 
 class RequestPath:
@@ -151,8 +152,8 @@ class RequestPath:
         watch.start()  # from here on, a client that goes away cancels this request wherever it is
         await self.arrivals.turn()  # in a burst, a few per loop iteration: the admitted ones' I/O goes on
         request = await _parse(body_kind, raw)
-        if request.usage_hidden:
-            raw = asking_usage(raw)  # a stream's usage is its exact length: asked for, and kept from the client
+        if request.usage_hidden:  # a stream's usage is its exact length: asked for, and kept from the client
+            raw = await _off_the_loop_if_large(len(raw), asking_usage, raw, request.stream_options_given)
         if policy.isolate_prefix_cache and body_kind != "audio":
             raw = salted(raw, tenant)  # the engine's prefix cache is shared by the tenant's requests alone
         exchange.stream_interval = max(request.stream_interval, self.stream_interval)  # vLLM takes the larger
@@ -253,9 +254,15 @@ async def read_body(receive: Receive, limit: int) -> bytes:
 
 
 async def _parse(kind: BodyKind, raw: bytes) -> InferenceRequest:
-    if len(raw) <= _PARSE_OFFLOAD_BYTES:
-        return parse_body(kind, raw)
-    return await asyncio.get_running_loop().run_in_executor(None, parse_body, kind, raw)
+    return await _off_the_loop_if_large(len(raw), parse_body, kind, raw)
+
+
+async def _off_the_loop_if_large(size: int, work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` on a body of ``size`` bytes, on a worker thread when it is large (parsing or copying
+    megabytes would stall the loop)."""
+    if size <= _PARSE_OFFLOAD_BYTES:
+        return work(*args)
+    return await asyncio.get_running_loop().run_in_executor(None, work, *args)
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:

@@ -126,16 +126,26 @@ def test_chat_streaming(gateway: Proc) -> None:
     assert usage.prompt_tokens == hf_tokenizer().count_messages(CHAT)
 
 
-def test_a_stream_without_usage_is_counted_by_the_engine_and_the_client_gets_none(gateway: Proc) -> None:
+def test_a_stream_without_usage_is_counted_by_the_engine_and_the_client_gets_none(
+    engine: VllmEngine, gateway: Proc
+) -> None:
     """The SDK's default stream (no stream_options): kvgate asks vLLM for the usage, bills the engine's count
-    (events are no count: vLLM merges deltas when busy), and drops that event from the client's stream."""
+    (events are no count: vLLM merges deltas when busy), drops that event from the client's stream, and gives
+    the final chunk back the system_fingerprint vLLM moved onto it: the client sees what it sees direct."""
+
+    def stream(base_url: str) -> list[Any]:
+        chunks = client(base_url).chat.completions.create(
+            model=MODEL_NAME, messages=CHAT, max_tokens=20, stream=True, extra_body={"ignore_eos": True}
+        )
+        return list(chunks)
+
+    deadline = time.monotonic() + 60  # earlier tests' exchanges settle as the engine's responses end
+    while gateway_metric(gateway, "kvgate_inflight_requests") > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
     before = gateway_metric(gateway, "kvgate_completion_tokens_total")
-    stream = client(gateway.url).chat.completions.create(
-        model=MODEL_NAME, messages=CHAT, max_tokens=20, stream=True, extra_body={"ignore_eos": True}
-    )
-    chunks = list(stream)
-    assert chunks and all(c.choices and c.usage is None for c in chunks)
-    deadline = time.monotonic() + 60  # the exchange settles as the engine's response ends, after [DONE]
+    direct, relayed = stream(engine.base_url), stream(gateway.url)
+    assert relayed and all(c.choices and c.usage is None for c in relayed)
+    assert relayed[-1].system_fingerprint == direct[-1].system_fingerprint is not None
     while gateway_metric(gateway, "kvgate_completion_tokens_total") < before + 20 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gateway_metric(gateway, "kvgate_completion_tokens_total") == before + 20

@@ -187,13 +187,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
             else:
                 choice = {"index": 0, "text": text, "finish_reason": "length" if last else None}
             chunk = {"id": f"c-{rid}", "object": obj, "model": st.model, "choices": [choice]}
+            if last and not include_usage:  # as vLLM 0.32: the fingerprint goes on the final message
+                chunk["system_fingerprint"] = FINGERPRINT
             await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         if include_usage:
-            await resp.write(
-                b"data: "
-                + orjson.dumps({"id": f"c-{rid}", "object": obj, "model": st.model, "choices": [], "usage": usage})
-                + b"\n\n"
-            )
+            final = {"id": f"c-{rid}", "object": obj, "model": st.model, "choices": [], "usage": usage}
+            await resp.write(b"data: " + orjson.dumps({**final, "system_fingerprint": FINGERPRINT}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         if st.eof_delay_s > 0:  # the response's end, after [DONE], arrives a moment later (a busy server)
             await asyncio.sleep(st.eof_delay_s)
@@ -317,6 +316,9 @@ async def record(request: web.Request, handler: Any) -> web.StreamResponse:
         request.app["state"].seen.append((request.method, request.raw_path, request.headers.get("x-request-id", "")))
     response: web.StreamResponse = await handler(request)
     return response
+
+
+FINGERPRINT = "fp-mini"  # vLLM's system_fingerprint (--fingerprint-mode full by default)
 
 
 # vLLM's AuthenticationMiddleware guards these prefixes only (/tokenize, /metrics, /health stay open).
