@@ -186,6 +186,7 @@ class AdmissionController:
         self.queue = AdmissionQueue(config.queue_max_length, config.queue_max_bytes)
         self.geometry_override = geometry  # the operator's: every engine is taken to have this pool
         self.engines: dict[str, EngineBook] = {}
+        self._geometry: KvGeometry | None = None  # the pool's, worked out when the pool changes (read per request)
         for name in engines:
             self.add_engine(name)
         self.drain = DrainRate()
@@ -205,6 +206,7 @@ class AdmissionController:
         if book is None:
             book = self.engines[name] = EngineBook(name, self.config, self.geometry_override, self.shared_books)
         book.leaving = False
+        self._pool_changed()
         return book
 
     def remove_engine(self, name: str) -> None:
@@ -213,11 +215,12 @@ class AdmissionController:
         if book is not None:
             book.leaving = True
             self._forget_if_done(book)
+            self._pool_changed()
 
     def _forget_if_done(self, book: EngineBook) -> None:
         if book.leaving and len(book.ledger) == 0:
             del self.engines[book.name]
-            self._mark_block_sizes()  # the pool's block size may have been the one that left
+            self._pool_changed()  # the pool's block size may have been the one that left
 
     @property
     def only(self) -> EngineBook:
@@ -243,7 +246,11 @@ class AdmissionController:
         """What a request is priced against: the pool's block size and the largest pool of the engines with
         blocks of that size (a request that fits none of them never fits). The pool's block size is the one
         with the most KV capacity among the engines that stay (a leaving engine still draining streams does
-        not hold the rest back); engines with blocks of another size take nothing (:meth:`_mark_block_sizes`)."""
+        not hold the rest back); engines with blocks of another size take nothing. Read several times per
+        request, worked out only when an engine comes, goes or is sampled (:meth:`_pool_changed`)."""
+        return self._geometry
+
+    def _pool_geometry(self) -> KvGeometry | None:
         known = [b.geometry for b in self.engines.values() if b.geometry is not None and not b.leaving]
         if not known:
             known = [b.geometry for b in self.engines.values() if b.geometry is not None]
@@ -255,10 +262,11 @@ class AdmissionController:
         block_size = max(totals, key=lambda size: (totals[size], -size))
         return max((g for g in known if g.block_size == block_size), key=lambda g: g.num_blocks)
 
-    def _mark_block_sizes(self) -> None:
-        """Keep out of placement the engines whose blocks are not the pool's size: a request's blocks, priced in
-        the pool's, would be half (or twice) what it holds there, and that engine would preempt (or idle)."""
-        pool = self.geometry
+    def _pool_changed(self) -> None:
+        """Work out the pool's geometry again, and keep out of placement the engines whose blocks are not the
+        pool's size: a request's blocks, priced in the pool's, would be half (or twice) what it holds there,
+        and that engine would preempt (or idle)."""
+        self._geometry = pool = self._pool_geometry()
         for book in self.engines.values():
             book.other_block_size = (
                 pool is not None and book.geometry is not None and book.geometry.block_size != pool.block_size
@@ -281,7 +289,7 @@ class AdmissionController:
         verdict = book.apply_sample(sample)
         self.caution.observe(sample.taken_at, verdict.trouble)
         self._forget_if_done(book)
-        self._mark_block_sizes()
+        self._pool_changed()
         self.lengths.set_in_flight(
             (res.key, res.generated)
             for b in self.engines.values()
