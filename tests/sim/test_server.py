@@ -246,14 +246,13 @@ def test_oom_exit_mode_kills_the_process(sim: StartSim) -> None:
 
 
 @pytest.mark.parametrize("engine_interval", [1, 8])
-def test_kvgate_learns_no_output_length_from_a_batched_streams_events(
+def test_kvgate_learns_a_batched_streams_length_from_the_usage_it_asks_for(
     sim: StartSim, gateway: Callable[..., str], engine_interval: int
 ) -> None:
     """vLLM's stream_interval (the request's, or the engine's --stream-interval) puts many tokens in one SSE
-    event. Through kvgate, streams that stop at 60 of a 400-token budget, batched by 8 and without usage:
-    their events are a floor of their length, not a length, so kvgate learns nothing from them and the next
-    request still reserves its whole budget (it learned ~9 per stream, reserving 1/7th of what they produce,
-    when it counted events as tokens). The same streams with usage teach 60."""
+    event: streams that stop at 60 of a 400-token budget, batched by 8, come as 9 events. Counted as tokens
+    they taught ~9 per stream (reserving 1/7th of what they produce). kvgate asks the engine for the usage of a
+    stream whose client did not, so it learns 60 either way, and the client that asked for none gets none."""
     flags = () if engine_interval == 1 else ("--stream-interval", str(engine_interval))
     proc = sim(*FAST, "--kv-scale", "0.05", *flags)
     config = {
@@ -267,12 +266,15 @@ def test_kvgate_learns_no_output_length_from_a_batched_streams_events(
     def expected_after(usage: bool) -> str:
         for _ in range(6):
             options = {"stream_options": {"include_usage": True}} if usage else {}
-            stream = client.completions.create(
-                model=MODEL, prompt=list(range(40)), max_tokens=400, stream=True, extra_body=body, **options
+            chunks = list(
+                client.completions.create(
+                    model=MODEL, prompt=list(range(40)), max_tokens=400, stream=True, extra_body=body, **options
+                )
             )
-            assert sum(bool(c.choices) for c in stream) == 9  # 60 tokens: 1, seven of 8, 3
+            assert sum(bool(c.choices) for c in chunks) == 9  # 60 tokens: 1, seven of 8, 3
+            assert sum(c.usage is not None for c in chunks) == (1 if usage else 0)  # what the client asked for
         reply = client.completions.with_raw_response.create(model=MODEL, prompt=list(range(40)), max_tokens=400)
         return reply.headers["x-kvgate-expected-output-tokens"]
 
-    assert expected_after(usage=False) == "400"  # nothing learned: the whole budget
+    assert expected_after(usage=False) == "60"
     assert expected_after(usage=True) == "60"
