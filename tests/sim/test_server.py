@@ -260,11 +260,27 @@ def test_kvgate_learns_a_batched_streams_length_from_the_usage_it_asks_for(
         "upstream": {"stream_interval": engine_interval},
         "admission": {"output_estimate": {"min_samples": 4}},
     }
-    client = openai.OpenAI(base_url=gateway(proc.url, config) + "/v1", api_key="x", max_retries=0)
+    gw = gateway(proc.url, config)
+    client = openai.OpenAI(base_url=gw + "/v1", api_key="x", max_retries=0)
     body = {SIM_OUTPUT_FIELD: 60, **({} if engine_interval > 1 else {"stream_interval": 8})}
+    sent = 0
+
+    def settled() -> None:
+        """Every stream's exchange has ended (after [DONE], with the engine's response) and been learned, and a
+        sample since has refreshed the estimate's cached answers."""
+        deadline = time.monotonic() + 60
+        while True:
+            metrics = parse_metrics(httpx.get(gw + "/metrics").text)
+            released = metric_sum(metrics, "kvgate_reservations_released_total", default=0.0)
+            if released >= sent and metrics.get("kvgate_output_tokens_expected{quantile=0.5}") == 60:
+                return
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.05)
 
     def expected_after(usage: bool) -> str:
+        nonlocal sent
         for _ in range(6):
+            sent += 1
             options = {"stream_options": {"include_usage": True}} if usage else {}
             chunks = list(
                 client.completions.create(
@@ -273,6 +289,8 @@ def test_kvgate_learns_a_batched_streams_length_from_the_usage_it_asks_for(
             )
             assert sum(bool(c.choices) for c in chunks) == 9  # 60 tokens: 1, seven of 8, 3
             assert sum(c.usage is not None for c in chunks) == (1 if usage else 0)  # what the client asked for
+        settled()
+        sent += 1
         reply = client.completions.with_raw_response.create(model=MODEL, prompt=list(range(40)), max_tokens=400)
         return reply.headers["x-kvgate-expected-output-tokens"]
 
