@@ -266,15 +266,19 @@ def test_kvgate_learns_a_batched_streams_length_from_the_usage_it_asks_for(
     sent = 0
 
     def settled() -> None:
-        """Every stream's exchange has ended (after [DONE], with the engine's response) and been learned, and a
-        sample since has refreshed the estimate's cached answers."""
+        """Every stream's exchange has ended (after [DONE], with the engine's response) and been learned, and an
+        engine sample taken since has refreshed the estimate's cached answers."""
         deadline = time.monotonic() + 60
-        while True:
-            metrics = parse_metrics(httpx.get(gw + "/metrics").text)
-            released = metric_sum(metrics, "kvgate_reservations_released_total", default=0.0)
-            if released >= sent and metrics.get("kvgate_output_tokens_expected{quantile=0.5}") == 60:
+        while metric_sum(parse_metrics(httpx.get(gw + "/metrics").text), "kvgate_reservations_released_total") < sent:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        learned_at = time.monotonic()
+        while True:  # the gateway's latest sample was taken after learned_at: asked_at - age is before it
+            asked_at = time.monotonic()
+            age = httpx.get(gw + "/readyz").json()["metrics_age_s"]
+            if age is not None and asked_at - age > learned_at:
                 return
-            assert time.monotonic() < deadline, metrics
+            assert time.monotonic() < deadline
             time.sleep(0.05)
 
     def expected_after(usage: bool) -> str:
