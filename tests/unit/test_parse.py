@@ -152,29 +152,6 @@ def test_completions_default_to_vllms_16_tokens_and_chat_stays_open() -> None:
     assert parse_request("completions", b'{"prompt": "a", "min_tokens": 7}').min_tokens == 7
 
 
-@pytest.mark.parametrize(
-    ("kind", "body"),
-    [
-        ("chat", {"messages": [{"role": "user", "content": "hi"}]}),
-        ("completions", {"prompt": "hi"}),
-        ("responses", {"input": "hi"}),
-        ("messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
-        ("pooling", {"input": "hi"}),
-        ("score", {"query": "q", "documents": ["d"]}),
-        ("invocations", {"prompt": "hi"}),
-    ],
-)
-def test_a_priority_of_the_clients_own_is_refused_on_every_json_route(kind: str, body: dict[str, object]) -> None:
-    """vLLM's priority scheduling orders its queue and preempts by the body's ``priority``: a client's own
-    value would overrule the classes kvgate admits by. vLLM's default (0, or none) passes."""
-    for allowed in ({}, {"priority": 0}, {"priority": None}, {"priority": 0.0}, {"priority": False}):
-        parse_body(kind, orjson.dumps({**body, **allowed}))  # type: ignore[arg-type]
-    for refused in (-5, 3, "1", "0", True, 0.5):
-        with pytest.raises(GatewayError) as err:
-            parse_body(kind, orjson.dumps({**body, "priority": refused}))  # type: ignore[arg-type]
-        assert err.value.status == 400 and err.value.param == "priority"
-
-
 _JSON_ROUTES = [
     ("chat", {"messages": [{"role": "user", "content": "hi"}]}),
     ("completions", {"prompt": "hi"}),
@@ -184,6 +161,18 @@ _JSON_ROUTES = [
     ("score", {"query": "q", "documents": ["d"]}),
     ("invocations", {"prompt": "hi"}),
 ]
+
+
+@pytest.mark.parametrize(("kind", "body"), _JSON_ROUTES)
+def test_a_priority_of_the_clients_own_is_refused_on_every_json_route(kind: str, body: dict[str, object]) -> None:
+    """vLLM's priority scheduling orders its queue and preempts by the body's ``priority``: a client's own
+    value would overrule the classes kvgate admits by. vLLM's default (0, or none) passes."""
+    for allowed in ({}, {"priority": 0}, {"priority": None}, {"priority": 0.0}, {"priority": False}):
+        parse_body(kind, orjson.dumps({**body, **allowed}))  # type: ignore[arg-type]
+    for refused in (-5, 3, "1", "0", True, 0.5):
+        with pytest.raises(GatewayError) as err:
+            parse_body(kind, orjson.dumps({**body, "priority": refused}))  # type: ignore[arg-type]
+        assert err.value.status == 400 and err.value.param == "priority"
 
 
 @pytest.mark.parametrize(("kind", "body"), _JSON_ROUTES)
