@@ -1,10 +1,11 @@
 """The request path, top to bottom: :meth:`RequestPath.handle`, then :meth:`RequestPath.inference`.
 
-route (allow-list, canonical path) -> authenticate -> take a turn -> parse -> estimate cost -> rate limit ->
-tenant slot -> admit (or queue / reject) -> forward and stream -> settle and release. Each step lives in the
-module named after it; this file only strings them together. :meth:`RequestPath.handle` wraps every proxied request: it
-opens the request's :class:`~gateway.server.exchange.Exchange`, answers errors in OpenAI's shape, and is the one
-place where rejections and client disconnects are counted.
+route (allow-list, canonical path; a refusal is told only to a caller with a key) -> authenticate -> take a
+turn -> parse -> estimate cost -> rate limit -> tenant slot -> admit (or queue / reject) -> forward and stream
+-> settle and release. Each step lives in the module named after it; this file only strings them together.
+:meth:`RequestPath.handle` wraps every proxied request: it opens the request's
+:class:`~gateway.server.exchange.Exchange`, answers errors in OpenAI's shape, and is the one place where
+rejections and client disconnects are counted.
 """
 
 from __future__ import annotations
@@ -94,10 +95,16 @@ class RequestPath:
                     raise shutting_down(1.0)
                 policy = self.policy()
                 raw_path = raw_path_of(scope)
-                where = route(scope["method"], raw_path, policy.allowed)
+                authorization = _header(scope["headers"], b"authorization")
+                try:
+                    where = route(scope["method"], raw_path, policy.allowed)
+                except GatewayError:
+                    # which paths exist is not for strangers: a caller without a valid key hears 401 first
+                    if not policy.admin_keys.accepts(authorization):
+                        policy.authenticate(authorization)
+                    raise
                 query = scope.get("query_string")
                 target = raw_path + "?" + query.decode("latin-1") if query else raw_path
-                authorization = _header(scope["headers"], b"authorization")
                 if where.kind == "allowed":
                     # the engine's admin routes answer to the admin keys alone, or else to a tenant's key:
                     # never to an anonymous caller, whatever auth.require_api_key says

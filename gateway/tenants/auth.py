@@ -32,9 +32,12 @@ class AdminKeys:
     def __bool__(self) -> bool:
         return bool(self._digests)
 
-    def check(self, authorization: bytes | None) -> None:
+    def accepts(self, authorization: bytes | None) -> bool:
         token = _bearer(authorization)
-        if token is None or key_digest(token) not in self._digests:
+        return token is not None and key_digest(token) in self._digests
+
+    def check(self, authorization: bytes | None) -> None:
+        if not self.accepts(authorization):
             raise GatewayError(403, "This route needs an admin API key.", type="permission_error", code="forbidden")
 
 

@@ -89,6 +89,9 @@ def test_only_known_routes_on_canonical_paths_reach_the_engine(
     for i, (method, target, status) in enumerate(ATTACKS):
         rid = f"attack-{i}"
         assert raw_request(gw, method, target, rid=rid, body=COMPLETION) == status, target
+        # a caller without a key learns nothing of which paths exist, nor of what form they take
+        assert raw_request(gw, method, target, key=None, rid=rid, body=COMPLETION) == 401, target
+        assert raw_request(gw, method, target, key="sk-guess", rid=rid, body=COMPLETION) == 401, target
         assert reached(upstream, rid) == [], f"{method} {target} reached the engine"
     assert scrape(gw).get("kvgate_requests_admitted_total", 0) == 0
     # the canonical route works, is admitted, and reaches the engine with its target as sent
@@ -251,7 +254,8 @@ def start_with_control_port(procs: list[Proc], tmp_path: Path, listen: dict[str,
 
 def test_a_control_port_takes_readiness_and_metrics_off_the_client_port(procs: list[Proc], tmp_path: Path) -> None:
     """``listen.control_port``: /readyz and /metrics answer there and nowhere else (the client port says 404,
-    as for any route it does not know, and tells nothing of the engines or tenants); /healthz, which tells
+    as for any route it does not know, or 401 to a caller without a key, and tells nothing of the engines or
+    tenants); /healthz, which tells
     nothing, answers on both. The control port proxies nothing. Generations go through the client port."""
     upstream, client, control_url = start_with_control_port(procs, tmp_path, {})
 
@@ -259,9 +263,9 @@ def test_a_control_port_takes_readiness_and_metrics_off_the_client_port(procs: l
         assert httpx.get(control_url + path).status_code == 200
     assert httpx.get(client + "/healthz").json() == {"status": "alive"}
     for path in ("/readyz", "/metrics"):
-        for key in (None, KEY):  # not even a tenant's key reaches them on the client port
+        for key, status in ((None, 401), (KEY, 404)):  # not even a tenant's key reaches them on the client port
             answer = httpx.get(client + path, headers={"authorization": f"Bearer {key}"} if key else {})
-            assert answer.status_code == 404 and upstream.rpartition(":")[2] not in answer.text
+            assert answer.status_code == status and upstream.rpartition(":")[2] not in answer.text
     assert "kvgate_requests_admitted_total" in httpx.get(control_url + "/metrics").text
 
     rid = "control-port"
