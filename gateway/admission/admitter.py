@@ -289,8 +289,12 @@ class Admitter:
 
     def learn(self, reservation: Reservation, completion_tokens: int, *, ended: bool = True) -> None:
         """A request completed with ``completion_tokens`` (or was stopped after them: ``ended=False``): the
-        output-length estimate learns it."""
-        self.controller.learn(reservation, completion_tokens, ended=ended)
+        output-length estimate learns it, and the pace of answers how long it took."""
+        self.controller.learn(reservation, completion_tokens, ended=ended, now=self.clock())
+
+    def answer_s(self, cost: RequestCost, key: tuple[str, ...]) -> float:
+        """Seconds a request like this is expected to take from admission to its answer's end (0: unknown)."""
+        return self.controller.answer_s(cost, key)
 
     def release(self, reservation: Reservation, outcome: str) -> bool:
         """Give the reservation's blocks back and admit whoever now fits; True the first time only."""

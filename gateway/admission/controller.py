@@ -26,6 +26,7 @@ from gateway.admission.gate import HysteresisGate
 from gateway.admission.ledger import ENGINE_LEAD_TOKENS, Ledger, Reservation
 from gateway.admission.output_lengths import OutputLengths
 from gateway.admission.queue import AdmissionQueue, QueueClass, Refused, Ticket
+from gateway.admission.service_time import ServicePace
 from gateway.config import AdmissionConfig
 from gateway.tokens.cost import KvGeometry, RequestCost
 
@@ -192,6 +193,7 @@ class AdmissionController:
         self.drain = DrainRate()
         est = config.output_estimate
         self.lengths = OutputLengths(window=est.window, min_samples=est.min_samples)
+        self.pace = ServicePace()  # seconds per output token, admission to answer: how long an answer takes
         self.caution = Caution(est.quantile, est.relax_after_s)
         self.outran = 0  # requests that outran their estimate (and grew their reservation)
         self.returns = ReturnBook()
@@ -511,17 +513,31 @@ class AdmissionController:
             return cost
         return cost.capped(expected, self.geometry.block_size)
 
-    def learn(self, res: Reservation, completion_tokens: int, *, ended: bool = True) -> None:
+    def learn(self, res: Reservation, completion_tokens: int, *, ended: bool = True, now: float | None = None) -> None:
         """A request finished after producing ``completion_tokens`` (over all its sequences); ``ended=False``:
         it was stopped before it ended (its client went away). One that ran into its own budget was stopped as
         well: both are learned as longer than what they produced, not as lengths (a completion's default of 16
         would teach every chat that outputs are 16 tokens long, and a tenant's cap that outputs end under it). A
-        batch, whose mean hides its longest sequence, is not learned."""
+        batch, whose mean hides its longest sequence, is not learned. ``now``: when its answer ended, which
+        teaches the pace answers come at (:meth:`answer_s`)."""
         if not teaches(res):
             return
+        if ended and now is not None:
+            self.pace.observe(completion_tokens, now - res.admitted_at)
         ended = ended and completion_tokens < res.full.max_output
         if ended or completion_tokens > 0:
             self.lengths.observe(res.key, min(completion_tokens, res.full.max_output), ended=ended)
+
+    def answer_s(self, cost: RequestCost, key: tuple[str, ...]) -> float:
+        """Seconds a request like this one is expected to take once admitted, to its answer's end: the median
+        output length of its key (never past its budget, never short of its floor) at the latest answers'
+        pace; 0 while either is unknown (see :mod:`gateway.admission.service_time`)."""
+        if cost.num_sequences > 1 or cost.max_output == 0:
+            return 0.0
+        median = self.lengths.quantile(key, 0.5)
+        if median is None:
+            return 0.0
+        return self.pace.answer_s(min(cost.max_output, max(cost.min_output, median)))
 
     def release(self, res: Reservation, now: float, finished: bool = True) -> bool:
         """Give ``res`` back (True the first time only). ``finished``: the request ended on the engine, which

@@ -115,7 +115,8 @@ def _chat(
 ) -> InferenceRequest:
     if not messages:
         raise bad_request("The request has no input.", param="input")
-    return InferenceRequest("chat", _model(body), 1, max_tokens, messages, [], tools)
+    whole = body.get("stream") is not True
+    return InferenceRequest("chat", _model(body), 1, max_tokens, messages, [], tools, whole_answer=whole)
 
 
 def _responses(body: dict[str, Any]) -> InferenceRequest:
@@ -155,7 +156,9 @@ def _pooling(body: dict[str, Any]) -> InferenceRequest:
         chat = parse_request("chat", orjson.dumps(body))
         return replace(chat, sequences_per_prompt=1, max_tokens=0, min_tokens=0, usage_hidden=False)  # no stream
     prompts = _prompts(body.get("input"), "input")
-    return InferenceRequest("completions", _model(body), 1, 0, None, prompts, None, truncate_to=truncation(body))
+    return InferenceRequest(
+        "completions", _model(body), 1, 0, None, prompts, None, truncate_to=truncation(body), whole_answer=True
+    )
 
 
 # The pairs a score or rerank body may carry (vLLM 0.32's ScoreRequest union and RerankRequest).
@@ -187,7 +190,9 @@ def _score(body: dict[str, Any]) -> InferenceRequest:
     if len(firsts) != len(seconds):
         raise bad_request("The two sides of a score request must pair up (one to many, or as many each).")
     prompts: list[Prompt] = [a + "\n" + b for a, b in zip(firsts, seconds, strict=True)]
-    return InferenceRequest("completions", _model(body), 1, 0, None, prompts, None, truncate_to=truncation(body))
+    return InferenceRequest(
+        "completions", _model(body), 1, 0, None, prompts, None, truncate_to=truncation(body), whole_answer=True
+    )
 
 
 def _as_texts(value: Any, param: str) -> list[str]:

@@ -41,6 +41,8 @@ class InferenceRequest:
     # drops it from the client's stream (gateway.protocol.stream_usage)
     usage_hidden: bool = False
     stream_options_given: bool = False  # the body has stream_options (asking for the usage merges into them)
+    # answered in one piece, not streamed: a client's read timeout must cover the whole generation
+    whole_answer: bool = False
 
 
 # vLLM's CompletionRequest defaults max_tokens to 16; chat leaves it open (the context's rest).
@@ -173,6 +175,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         truncate_to=truncate_to,
         stream_interval=stream_interval,
         usage_hidden=stream is True and stream_options.get("include_usage") is not True,
+        whole_answer=stream is not True,
         stream_options_given="stream_options" in body,
     )
 

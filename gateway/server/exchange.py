@@ -62,6 +62,8 @@ class Exchange:
         self.reached_engine = False
         self.stream_interval = 1  # tokens per SSE event the engine batches (vLLM's stream_interval)
         self.chat = False  # its stream opens with role chunks that carry no token
+        self.whole_answer = False  # answered in one piece (not a stream): see wait_budget_s
+        self.answer_s = 0.0  # the time its answer is expected to take once admitted, if kept out of its wait
         self.generated = 0  # output tokens relayed so far, at least (from the SSE events)
         self.usage: Usage | None = None
         self.broke_off = False  # its 200 stream ended in the engine's error event
@@ -105,16 +107,21 @@ class Exchange:
         tenant = self._tenant()
         assert self.cost is not None
         self._stage = "queued"
-        self.admission = await self._admitter.acquire(
-            self.cost,
-            tenant.tenant,
-            max(0.0, self.wait_budget_s - waited_s),
-            tenant.qclass,
-            self.body_bytes,
-            self.key,
-            retry,
-            self.prefix,
-        )
+        try:
+            self.admission = await self._admitter.acquire(
+                self.cost,
+                tenant.tenant,
+                max(0.0, self.wait_budget_s - waited_s),
+                tenant.qclass,
+                self.body_bytes,
+                self.key,
+                retry,
+                self.prefix,
+            )
+        except GatewayError as exc:
+            if self.answer_s > 0 and exc.code in ("queue_wait_predicted", "queue_timeout"):
+                exc.extra["answer_eta_s"] = round(self.answer_s, 3)  # the part of its budget its answer needs
+            raise
         self._stage = "waiting"
 
     @property
@@ -139,7 +146,14 @@ class Exchange:
 
     @property
     def wait_budget_s(self) -> float:
-        return self._tenant().wait_budget(self.client.wait_s)
+        """How long it may wait for a slot and a reservation. A client's read timeout bounds an answer sent in
+        one piece as a whole: the time the engine will then take to answer is not for waiting (admitted later,
+        it would time out mid-generation, and the SDK would send it again)."""
+        client_s = self.client.wait_s
+        if client_s is not None and self.client.read_timeout and self.whole_answer and self.cost is not None:
+            self.answer_s = self._admitter.answer_s(self.cost, self.key)
+            client_s = max(0.0, client_s - self.answer_s)
+        return self._tenant().wait_budget(client_s)
 
     def sending(self) -> None:
         """The request is about to be written to the engine: from here on it may have reached it."""

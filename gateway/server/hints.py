@@ -18,11 +18,13 @@ CLIENT_MARGIN_S = 1.0  # answered this long before the client's own timeout woul
 
 @dataclass(frozen=True, slots=True)
 class ClientHints:
-    """What the client's headers say about waiting: its budget in seconds (None: it did not say), and whether
-    this is a retry of a request that was refused."""
+    """What the client's headers say about waiting: its budget in seconds (None: it did not say), whether
+    this is a retry of a request that was refused, and whether the budget is a read timeout (the SDKs'), which
+    an answer sent in one piece must arrive within, not only be admitted within."""
 
     wait_s: float | None = None
     retry: bool = False
+    read_timeout: bool = False
 
 
 NO_HINTS = ClientHints()  # what most requests say: one shared instance, not one each
@@ -45,6 +47,7 @@ def client_hints(headers: list[tuple[bytes, bytes]]) -> ClientHints:
         except ValueError:
             continue
         if seconds > 0 and seconds != float("inf"):
-            wait = max(0.1, seconds - CLIENT_MARGIN_S) if name == b"x-stainless-read-timeout" else seconds
-            return ClientHints(wait, retry)
+            if name == b"x-stainless-read-timeout":
+                return ClientHints(max(0.1, seconds - CLIENT_MARGIN_S), retry, read_timeout=True)
+            return ClientHints(seconds, retry)
     return ClientHints(None, retry) if retry else NO_HINTS

@@ -165,6 +165,7 @@ class RequestPath:
             raw = salted(raw, tenant)  # the engine's prefix cache is shared by the tenant's requests alone
         exchange.stream_interval = max(request.stream_interval, self.stream_interval)  # vLLM takes the larger
         exchange.chat = request.messages is not None
+        exchange.whole_answer = request.whole_answer
         # 3. estimate cost (tokenizing long prompts off the event loop)
         cost = await self.costs.estimate(request)
         # 4. rate limit (pre-charges prompt + reserved output; shared across replicas when Redis is configured)

@@ -1,0 +1,124 @@
+"""How long an answer takes once admitted, and what that leaves a client that reads its answer in one piece
+under a read timeout (the OpenAI SDKs) for waiting in the queue."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.admission.controller import AdmissionController, Admitted, Rejected, UsageSample
+from gateway.admission.service_time import MIN_SAMPLES, MIN_TOKENS, ServicePace
+from gateway.config import AdmissionConfig
+from gateway.protocol.bodies import parse_body
+from gateway.protocol.requests import parse_request
+from gateway.server.hints import client_hints
+from gateway.tokens.cost import KvGeometry, RequestCost
+
+GEO = KvGeometry(block_size=16, num_blocks=10_000)
+KEY = ("m", "completions", "t")
+
+
+def test_the_pace_is_unknown_until_enough_answers_long_enough_to_tell_have_ended() -> None:
+    pace = ServicePace()
+    for _ in range(20):
+        pace.observe(MIN_TOKENS - 1, 5.0)  # mostly prefill: says nothing of decoding
+    pace.observe(100, 0.0)  # no time at all: a clock that did not move
+    assert len(pace) == 0 and pace.seconds_per_token() is None and pace.answer_s(500) == 0.0
+    for _ in range(MIN_SAMPLES - 1):
+        pace.observe(100, 2.0)
+    assert pace.answer_s(500) == 0.0
+    pace.observe(200, 4.0)
+    assert pace.seconds_per_token() == 0.02 and pace.answer_s(500) == 10.0
+
+
+def test_the_pace_is_the_median_of_the_latest_answers_and_follows_the_engine_as_it_slows() -> None:
+    pace = ServicePace(window=16, min_samples=4)
+    for seconds in (1.0, 1.0, 1.0, 100.0):  # one answer stuck behind a long prefill does not set the pace
+        pace.observe(100, seconds)
+    assert pace.seconds_per_token() == 0.01
+    for _ in range(16):  # the engine got busier: only the latest 16 answers count
+        pace.observe(100, 5.0)
+    assert pace.seconds_per_token() == 0.05
+
+
+@given(st.lists(st.tuples(st.integers(0, 5000), st.floats(0.0, 1e4)), max_size=200), st.integers(0, 100_000))
+def test_an_answer_time_is_never_negative_and_grows_with_its_length(
+    answers: list[tuple[int, float]], tokens: int
+) -> None:
+    pace = ServicePace(window=32, min_samples=4)
+    for n, seconds in answers:
+        pace.observe(n, seconds)
+    assert 0.0 <= pace.answer_s(tokens) <= pace.answer_s(tokens + 1)
+
+
+def learned(c: AdmissionController, answers: int, tokens: int, seconds: float) -> None:
+    """``answers`` requests of KEY admitted at 0 that each answered ``tokens`` tokens, ending at ``seconds``."""
+    for _ in range(answers):
+        d = c.submit(RequestCost((16,), 1, 1000, 70), "t", 0.0, key=KEY)
+        assert isinstance(d, Admitted)
+        c.learn(d.reservation, tokens, now=seconds)
+        c.release(d.reservation, seconds)
+
+
+def controller() -> AdmissionController:
+    c = AdmissionController(AdmissionConfig(), GEO)
+    c.begin_sample()
+    c.apply_sample(UsageSample(0.0, 0.0))
+    return c
+
+
+def test_an_answer_takes_its_keys_median_length_at_the_latest_pace_within_its_own_budget() -> None:
+    c = controller()
+    assert c.answer_s(RequestCost((16,), 1, 1000, 70), KEY) == 0.0  # nothing known: no time taken off anyone
+    learned(c, 40, 200, 10.0)  # 200 tokens in 10 s: 0.05 s per token
+    assert c.answer_s(RequestCost((16,), 1, 1000, 70), KEY) == 10.0
+    assert c.answer_s(RequestCost((16,), 1, 50, 5), KEY) == 2.5  # max_tokens 50: it stops there
+    ignore_eos = RequestCost((16,), 1, 400, 30, min_output=2**31 - 1)  # runs to its budget, exactly
+    assert c.answer_s(ignore_eos, KEY) == 20.0
+    assert c.answer_s(RequestCost((16,), 2, 1000, 140), KEY) == 0.0  # n=2: its longest sequence is unknown
+
+
+def test_a_stopped_answer_teaches_no_pace() -> None:
+    c = controller()
+    for _ in range(40):
+        d = c.submit(RequestCost((16,), 1, 1000, 70), "t", 0.0, key=KEY)
+        assert isinstance(d, Admitted)
+        c.learn(d.reservation, 200, ended=False, now=1000.0)  # its client left: the time says nothing
+        c.release(d.reservation, 1000.0)
+    assert len(c.pace) == 0
+
+
+def test_only_the_sdks_read_timeout_bounds_the_whole_answer() -> None:
+    """The SDK's read timeout fires when no byte has come for that long: for an answer sent in one piece, that
+    is the whole generation. kvgate's own header is a queue budget and nothing else."""
+    assert client_hints([(b"x-stainless-read-timeout", b"60")]).read_timeout is True
+    assert client_hints([(b"x-kvgate-max-wait-s", b"60")]).read_timeout is False
+    both = client_hints([(b"x-kvgate-max-wait-s", b"30"), (b"x-stainless-read-timeout", b"60")])
+    assert both.wait_s == 30.0 and both.read_timeout is False
+
+
+def test_a_budget_without_room_for_the_answer_is_refused_at_once_rather_than_queued_to_time_out() -> None:
+    """The controller's side of a wait budget cut by the answer's time (the exchange passes what is left): with
+    nothing left, a request that fits now is admitted, and one that would have to wait is refused at once,
+    with a Retry-After."""
+    c = controller()
+    learned(c, 40, 200, 10.0)
+    for i in range(10):
+        c.drain.record(20.0 + i)  # one finish a second
+    c.begin_sample()
+    c.apply_sample(UsageSample(0.0, 30.0))  # fresh: the engine is empty
+    assert isinstance(c.submit(RequestCost((16,), 1, 1000, 70), "t", 30.0, max_wait_s=0.0, key=KEY), Admitted)
+    # ignore_eos: runs to its whole budget, which takes the rest of the pool
+    blocker = c.submit(RequestCost((16,), 1, 143_664, 8_980, min_output=2**31 - 1), "x", 30.0)
+    assert isinstance(blocker, Admitted)
+    refused = c.submit(RequestCost((16,), 1, 1000, 70), "t", 30.0, max_wait_s=0.0, key=KEY)
+    assert isinstance(refused, Rejected) and refused.retry_after_s >= 1.0
+
+
+def test_a_request_knows_whether_its_answer_comes_in_one_piece() -> None:
+    assert parse_request("completions", b'{"prompt": "x"}').whole_answer is True
+    assert parse_request("chat", b'{"messages": [{"role": "user", "content": "x"}], "stream": true}').whole_answer is False
+    assert parse_body("responses", b'{"input": "x", "stream": true}').whole_answer is False
+    assert parse_body("responses", b'{"input": "x"}').whole_answer is True
+    assert parse_body("pooling", b'{"input": "x"}').whole_answer is True
+    assert parse_body("audio", b"--multipart--").whole_answer is False  # unread: it may stream
