@@ -450,31 +450,34 @@ def test_natural_burst_through_kvgate_serves_everything_without_preempting(
     natural_bursts: dict[str, list[burst.BurstResult]],
 ) -> None:
     """Reserving expected output, not the cap: every request served, at most 2 preemptions per burst, peak KV
-    at most 0.95, and the engine's work done at least as fast as bare (which preempts).
+    at most 0.95, the engine's batch kept well filled, and its work done not far slower than bare (which
+    preempts 14-20 times a burst).
 
-    Where outputs stop is drawn by the engine's sampler (a per-request seed would pin it, but crashes the CPU
-    sampler), so two bursts of the same prompts do different amounts of work (21-26k tokens in one run), and
-    how long the few longest outputs decode alone at the end differs from burst to burst: wall time per
-    generated token measured 1.04x direct in one run and 1.25x in the next, the same code. The pace compared is
-    therefore the engine's own, while it has work: seconds until it had generated ``burst.BULK`` of the
-    burst's tokens (its counter, sampled), per token. Its bound guards against a return to worst-case
-    reservation (which left the engine half empty), with room for two shared cores' noise; wall time has a
-    looser one, against a tail kvgate itself drew out."""
+    kvgate keeps the engine under the watermark with room for what its requests are expected to grow to, where
+    the bare engine fills it and recomputes what it preempts, which on this CPU engine is cheap. Measured, same
+    code, repeated: the engine's largest batch through kvgate 20-25 requests against 29-32 bare (0.66-0.83 of
+    it, two bursts a side); wall time per generated token 1.02x, 1.04x, 1.16x, 1.17x, 1.20x, 1.25x and 1.33x
+    the bare engine's (the 1.20x and 1.33x in full CI runs). Wall time is compared per generated token because
+    the engine's sampler decides where outputs stop (a per-request seed would pin it, but crashes the CPU
+    sampler): the same prompts make 21-26k tokens. That ratio is noisy (how long the few longest outputs decode
+    alone at the end differs from burst to burst), so its bound is loose; the batch tells the regression this
+    test is for: reserving whole budgets (``output_estimate`` off, ``growth_model: worst_case``) held the batch
+    to 14 (0.46 of bare) and took 1.51x per token in the same run that measured 1.16x for the defaults."""
     direct, kvgate = natural_bursts["direct"], natural_bursts["kvgate"]
     for r in kvgate:
         assert r.ok == r.n and r.errors == [], _report(natural_bursts)
         assert r.preemptions <= 2 and r.max_kv_usage <= 0.95, _report(natural_bursts)
     assert all(r.ok == r.n for r in direct), _report(natural_bursts)
 
-    def seconds_per_token(runs: list[burst.BurstResult], bulk: bool) -> float:
-        if bulk:
-            return sum(r.bulk_s for r in runs) / sum(burst.BULK * r.generated_tokens for r in runs)
+    def seconds_per_token(runs: list[burst.BurstResult]) -> float:
         return sum(r.wall_s for r in runs) / sum(r.generated_tokens for r in runs)
 
-    pace = seconds_per_token(kvgate, bulk=True) / seconds_per_token(direct, bulk=True)
-    per_token = seconds_per_token(kvgate, bulk=False) / seconds_per_token(direct, bulk=False)
-    print(f"\nnatural burst, kvgate/direct: pace {pace:.2f}x, wall per generated token {per_token:.2f}x")
-    assert pace <= 1.15 and per_token <= 1.5, f"pace {pace:.2f}x, per token {per_token:.2f}x" + _report(natural_bursts)
+    per_token = seconds_per_token(kvgate) / seconds_per_token(direct)
+    batch = sum(r.max_running for r in kvgate) / sum(r.max_running for r in direct)
+    print(f"\nnatural burst, kvgate/direct: largest batch {batch:.2f}x, wall per generated token {per_token:.2f}x")
+    assert batch >= 0.6 and per_token <= 1.5, f"batch {batch:.2f}x, per token {per_token:.2f}x" + _report(
+        natural_bursts
+    )
 
 
 # --- client disconnects -----------------------------------------------------------------------------------

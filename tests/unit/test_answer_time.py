@@ -117,7 +117,9 @@ def test_a_budget_without_room_for_the_answer_is_refused_at_once_rather_than_que
 
 def test_a_request_knows_whether_its_answer_comes_in_one_piece() -> None:
     assert parse_request("completions", b'{"prompt": "x"}').whole_answer is True
-    assert parse_request("chat", b'{"messages": [{"role": "user", "content": "x"}], "stream": true}').whole_answer is False
+    assert (
+        parse_request("chat", b'{"messages": [{"role": "user", "content": "x"}], "stream": true}').whole_answer is False
+    )
     assert parse_body("responses", b'{"input": "x", "stream": true}').whole_answer is False
     assert parse_body("responses", b'{"input": "x"}').whole_answer is True
     assert parse_body("pooling", b'{"input": "x"}').whole_answer is True

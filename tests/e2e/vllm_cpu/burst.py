@@ -33,8 +33,6 @@ MODEL = "tiny-llama"
 FIRST_PLAIN_ID, VOCAB_SIZE = 16, 4096
 USAGE, RUNNING, WAITING = "vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions_total"
-GENERATED = "vllm:generation_tokens_total"
-BULK = 0.8  # the share of a burst's tokens whose pace is compared, before the few longest outputs trail alone
 
 
 @dataclass(frozen=True)
@@ -109,9 +107,6 @@ class BurstResult:
     ttft_p50_s: float
     ttft_max_s: float
     generated_tokens: int
-    # seconds from the burst's start until the engine had generated BULK of its tokens: the pace while the
-    # engine has work, which the few longest outputs, decoding alone at the end, do not blur (wall time does)
-    bulk_s: float = float("nan")
 
     def summary(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if k != "errors"} | {"errors": self.errors[:3]})
@@ -169,7 +164,7 @@ async def run_burst_on_pool(
     """Send ``burst`` all at once to ``base_url`` while sampling every engine of ``engine_urls``: one result
     per engine (its samples and preemptions; the requests, wall time and TTFTs are the burst's)."""
     befores = [await asyncio.to_thread(scrape, url) for url in engine_urls]
-    sampler = Sampler([(url, (USAGE, RUNNING, WAITING, GENERATED)) for url in engine_urls], hz)
+    sampler = Sampler([(url, (USAGE, RUNNING, WAITING)) for url in engine_urls], hz)
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600.0)
     await asyncio.to_thread(sampler.start)
     try:
@@ -191,7 +186,6 @@ async def run_burst_on_pool(
         samples = [(t, v[USAGE], v[RUNNING], v[WAITING]) for t, v in readings if v is not None]
         span = samples[-1][0] - samples[0][0] if len(samples) > 1 else 0.0
         period = [b[0] - a[0] for a, b in itertools.pairwise(samples) if a[1] >= 0.95]
-        generated = [(t, v[GENERATED] - metric_sum(before, GENERATED)) for t, v in readings if v is not None]
         out.append(
             BurstResult(
                 n=len(burst),
@@ -208,27 +202,9 @@ async def run_burst_on_pool(
                 ttft_p50_s=round(ttfts[len(ttfts) // 2], 2) if ttfts else float("nan"),
                 ttft_max_s=round(ttfts[-1], 2) if ttfts else float("nan"),
                 generated_tokens=sum(n for n, _ in oks),
-                bulk_s=round(
-                    _time_to(generated, BULK * (metric_sum(after, GENERATED) - metric_sum(before, GENERATED)), t0), 2
-                ),
             )
         )
     return out
-
-
-def _time_to(counts: list[tuple[float, float]], target: float, t0: float) -> float:
-    """Seconds after ``t0`` at which a sampled counter ((time, count) in time order) reached ``target``,
-    interpolated between the two samples around it; NaN if it never did."""
-    previous = (t0, 0.0)
-    for t, count in counts:
-        if count >= target:
-            (ta, ca), share = previous, 1.0
-            if count > ca:
-                share = (target - ca) / (count - ca)
-            return max(0.0, ta + share * (t - ta) - t0)
-        if count == count:  # not NaN
-            previous = (t, count)
-    return float("nan")
 
 
 def main() -> None:
