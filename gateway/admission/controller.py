@@ -349,6 +349,15 @@ class AdmissionController:
             return affine[2], affine[1], True
         return best[2], best[1], False
 
+    def _first_with_an_engine(self) -> Ticket | None:
+        """When the head of the queue is larger than every placeable engine's whole pool: the first ticket in
+        serving order that is not (None if none is, or if the head is not: then it waits for room)."""
+        largest = max((b.geometry.num_blocks for b in self.engines.values() if b.placeable and b.geometry), default=0)
+        head = self.queue.peek()
+        if head is None or head.cost.blocks <= largest:
+            return None
+        return next((t for t in self.queue.in_order() if t.cost.blocks <= largest), None)
+
     def _affine_engine(self, prefix: tuple[int, ...]) -> str | None:
         """The engine that took the longest known part of ``prefix``; None without one, or in a pool of one."""
         if not prefix or len(self.engines) < 2:
@@ -449,10 +458,20 @@ class AdmissionController:
         return Queued(ticket, position, ticket.eta_s, pushed.shed)
 
     def pump(self, now: float) -> list[tuple[Ticket, Reservation]]:
-        """Admit from the head of the queue (highest class, fairest tenant) while the head fits."""
+        """Admit from the head of the queue (highest class, fairest tenant) while the head fits. A head too
+        large for every engine placeable now waits for an engine, not for room (the one large enough was
+        ejected, or is leaving): the first one behind it that could fit goes in its stead, so one request
+        does not hold up the whole pool until that engine is back."""
         admitted = []
-        while (head := self.queue.peek()) is not None and (placed := self.place(head.cost.blocks, now, head.prefix)):
-            self.queue.pop()
+        while (head := self.queue.peek()) is not None:
+            placed = self.place(head.cost.blocks, now, head.prefix)
+            if placed is None:
+                head = self._first_with_an_engine()
+                if head is None or (placed := self.place(head.cost.blocks, now, head.prefix)) is None:
+                    break
+                self.queue.remove(head)
+            else:
+                self.queue.pop()
             book, usage, by_affinity = placed
             full = head.full or head.cost
             res = self._reserve(book, head.cost, full, head.key, head.tenant, now, usage, head.prefix, by_affinity)

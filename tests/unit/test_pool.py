@@ -234,3 +234,30 @@ def test_an_engine_with_blocks_of_another_size_takes_nothing_until_its_size_is_t
         assert isinstance(d, Admitted)
         c.release(d.reservation, 0.3)
     assert set(c.engines) == {"new"}
+
+
+def test_a_request_only_an_ejected_engine_could_hold_does_not_hold_up_the_rest_of_the_pool() -> None:
+    """The large engine refused a connection: a request larger than the small engine's whole pool waits for
+    it to come back (not refused: it will fit then), while those behind it are served by the small engine. A
+    head that waits for room, not for an engine, still goes first."""
+    c = pool(200, 100)
+    c.eject("e0", 1.0)
+    big = c.submit(req(150), "t", 1.1, max_wait_s=60.0)
+    assert isinstance(big, Queued)
+    small = c.submit(req(10), "t", 1.1, max_wait_s=60.0)
+    assert isinstance(small, Queued)  # the line was not empty: it queued, and the pump lets it by
+    [(ticket, res)] = c.pump(1.1)
+    assert ticket is small.ticket and res.engine == "e1"
+    assert c.queue.peek() is big.ticket
+    sample(c, "e0", 0.0, 1.0 + EJECT_BASE_S + 0.1, size=200)  # back: the big one goes there
+    [(ticket, res)] = c.pump(1.0 + EJECT_BASE_S + 0.2)
+    assert ticket is big.ticket and res.engine == "e0"
+    # waiting for room is another thing: the head keeps its turn
+    c.eject("e0", 3.0)
+    sample(c, "e1", 0.0, 3.0)
+    held = c.submit(req(80), "t", 3.0)  # with the small one's 10: e1 at its watermark
+    assert isinstance(held, Admitted) and held.reservation.engine == "e1"
+    head = c.submit(req(50), "t", 3.1, max_wait_s=60.0)
+    behind = c.submit(req(2), "t", 3.1, max_wait_s=60.0)
+    assert isinstance(head, Queued) and isinstance(behind, Queued)
+    assert c.pump(3.1) == [] and len(c.queue) == 2
