@@ -186,11 +186,19 @@ class EnginePool:
 
     @property
     def model(self) -> ModelInfo:
-        """What the engines serve (one model per pool), as the first engine that answered /v1/models says."""
-        for engine in self.engines.values():
-            if engine.scraper.model.id is not None:
-                return engine.scraper.model
-        return ModelInfo()
+        """What the engines serve (one model per pool), as the first engine that answered /v1/models says, with
+        the smallest ``max_model_len`` any of them reports: mid-way through a rolling update that changes
+        ``--max-model-len`` a request within it fits whichever engine it is placed on."""
+        if len(self.engines) == 1:
+            return next(iter(self.engines.values())).scraper.model
+        known = [e.scraper.model for e in self.engines.values() if e.scraper.model.id is not None]
+        if not known:
+            return ModelInfo()
+        first = known[0]
+        shortest = min((m.max_model_len for m in known if m.max_model_len), default=None)
+        if shortest is None or shortest == first.max_model_len:
+            return first
+        return ModelInfo(first.id, shortest, first.root, first.names)
 
     def age(self) -> float:
         """Age of the freshest sample of any engine."""

@@ -9,7 +9,11 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from aiohttp import web
 
+from gateway.admission.admitter import Admitter
+from gateway.admission.controller import AdmissionController
+from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.upstream.pool import EnginePool
 from gateway.upstream.scraper import ModelInfo, Scraper
 from gateway.upstream.session import UpstreamSession
 from tests.support.procs import free_port
@@ -94,3 +98,19 @@ async def test_a_refused_discovery_is_logged_once_per_status(
     assert len(warnings) == 2, warnings
     assert "HTTP 401" in warnings[0] and "upstream.api_key" in warnings[0]
     assert "HTTP 503" in warnings[1] and "upstream.api_key" not in warnings[1]
+
+
+def test_a_pool_mid_way_through_a_max_model_len_change_admits_what_fits_every_engine() -> None:
+    """Engines that say different context lengths (a rolling update of ``--max-model-len``): the pool's is the
+    shortest, so no request is priced for a context the engine it lands on would refuse."""
+    config = GatewayConfig()
+    admitter = Admitter(AdmissionController(config.admission, engines=()), GatewayMetrics(), lambda: 0.0)
+    pool = EnginePool(config, admitter, GatewayMetrics(), UpstreamSession(4))
+    a, b = pool.add("http://a"), pool.add("http://b")
+    assert pool.model == ModelInfo()
+    b.scraper.model = ModelInfo("m", 8192, "/models/m", ("m",))
+    assert pool.model == ModelInfo("m", 8192, "/models/m", ("m",))
+    a.scraper.model = ModelInfo("m", 4096, "/models/m", ("m",))
+    assert pool.model == ModelInfo("m", 4096, "/models/m", ("m",))
+    a.scraper.model = ModelInfo("m", 16384, "/models/m", ("m",))
+    assert pool.model.max_model_len == 8192
