@@ -43,6 +43,9 @@ class InferenceRequest:
     stream_options_given: bool = False  # the body has stream_options (asking for the usage merges into them)
     # answered in one piece, not streamed: a client's read timeout must cover the whole generation
     whole_answer: bool = False
+    # what vLLM hands a chat template beyond the messages and tools: the client's chat_template_kwargs and its
+    # documents (RAG templates render them); part of the prompt, so counted with it
+    template_kwargs: dict[str, Any] | None = None
 
 
 # vLLM's CompletionRequest defaults max_tokens to 16; chat leaves it open (the context's rest).
@@ -127,6 +130,28 @@ def _nested(body: dict[str, Any], path: tuple[str, ...]) -> Any:
     return value
 
 
+# Variables kvgate sets itself when it renders a chat template to count it (as vLLM does), which a client's
+# chat_template_kwargs do not override in the count (vLLM refuses chat_template and tokenize outright).
+TEMPLATE_OWN_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize"}
+)
+
+
+def chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """What vLLM passes a chat's template beside its messages and tools: the client's ``chat_template_kwargs``
+    with its ``documents`` (a list of objects, RAG templates render them) over them; None when neither is sent."""
+    kwargs = optional_field(body, "chat_template_kwargs", dict)
+    documents = optional_field(body, "documents", list)
+    if documents is not None:
+        _objects(documents, "documents")
+    if not kwargs and documents is None:
+        return None
+    merged = {k: v for k, v in (kwargs or {}).items() if k not in TEMPLATE_OWN_VARIABLES}
+    if documents is not None:
+        merged["documents"] = documents
+    return merged
+
+
 def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     body = json_object(raw)
     refuse_engine_controls(body)
@@ -157,10 +182,12 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
     messages: list[dict[str, Any]] | None = None
     prompts: list[Prompt] = []
     tools = optional_field(body, "tools", list)
+    template_kwargs: dict[str, Any] | None = None
     if endpoint == "chat":
         messages = _messages(body)
         if tools is not None:
             _objects(tools, "tools")  # rendered by the chat template, or dumped to JSON and counted
+        template_kwargs = chat_template_kwargs(body)
     else:
         prompts = _prompts(body)
     return InferenceRequest(
@@ -176,6 +203,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         stream_interval=stream_interval,
         usage_hidden=stream is True and stream_options.get("include_usage") is not True,
         whole_answer=stream is not True,
+        template_kwargs=template_kwargs,
         stream_options_given="stream_options" in body,
     )
 

@@ -78,7 +78,7 @@ def plan_request(
     served_model: str,
     max_model_len: int,
     count_text: Callable[[str], int],
-    count_messages: Callable[[list[dict[str, Any]]], int],
+    count_chat: Callable[[Mapping[str, Any]], int],
 ) -> Plan:
     """Validate like vLLM: unknown model is 404, a prompt that leaves no room for output is 400, a
     ``max_tokens`` larger than the context is 400, and one past it with the prompt is clamped to what is left."""
@@ -89,7 +89,7 @@ def plan_request(
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list", "BadRequestError", "messages")
-        prompt_len = count_messages(messages)
+        prompt_len = count_chat(body)
     else:
         prompt_len = _count_prompt(body.get("prompt"), count_text)
     truncate = body.get("truncate_prompt_tokens")

@@ -16,7 +16,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -271,7 +271,7 @@ class SimServer:
         if isinstance(body, ApiError):
             return _error(body)
         if "messages" in body:
-            n = self.tokenizer.count_messages(body["messages"])
+            n = self._count_chat(body, documents=False)  # vLLM's /tokenize has no documents field
             tokens: list[int] = list(range(n))
         elif isinstance(body.get("prompt"), str):
             tokens = self.tokenizer.encode(body["prompt"])
@@ -285,6 +285,14 @@ class SimServer:
                 "token_strs": None,
             }
         )
+
+    def _count_chat(self, body: Mapping[str, Any], documents: bool = True) -> int:
+        """A chat's prompt as vLLM renders it: the messages, the tools, the chat_template_kwargs and (on the
+        chat route) the documents."""
+        extra = dict(body.get("chat_template_kwargs") or {})
+        if documents and body.get("documents") is not None:
+            extra["documents"] = body["documents"]
+        return self.tokenizer.count_messages(body["messages"], body.get("tools"), extra=extra or None)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
@@ -303,7 +311,7 @@ class SimServer:
                 served_model=self.cfg.served_model_name,
                 max_model_len=self.cfg.max_model_len,
                 count_text=self.tokenizer.count,
-                count_messages=self.tokenizer.count_messages,
+                count_chat=self._count_chat,
             )
         except ApiError as err:
             return _error(err)

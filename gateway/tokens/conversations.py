@@ -75,7 +75,8 @@ def conversation_of(request: InferenceRequest) -> Conversation | None:
     if request.messages is None or not text_only(request.messages):
         return None
     try:
-        h = hashlib.blake2b(orjson.dumps([request.model or "", request.tools]), digest_size=16)
+        head = [request.model or "", request.tools, request.template_kwargs]
+        h = hashlib.blake2b(orjson.dumps(head), digest_size=16)
         digests: list[bytes] = []
         sizes: list[int] = []
         size = 0

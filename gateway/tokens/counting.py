@@ -98,6 +98,8 @@ class TokenCounter:
             payloads = [{"messages": request.messages, "add_generation_prompt": True}]
             if request.tools:
                 payloads[0]["tools"] = request.tools
+            if request.template_kwargs:  # vLLM's /tokenize has no documents field: its template reads them here
+                payloads[0]["chat_template_kwargs"] = request.template_kwargs
         else:
             payloads = [{"prompt": p} for p in request.prompts]
         counts = []
@@ -179,7 +181,7 @@ def _text_exceeds(request: InferenceRequest, limit: int) -> bool:
     if request.messages is None:
         return sum(len(p) for p in request.prompts if isinstance(p, str)) > limit
     size = 0
-    stack: list[Any] = [request.messages, request.tools]
+    stack: list[Any] = [request.messages, request.tools, request.template_kwargs]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
@@ -195,5 +197,7 @@ def _text_exceeds(request: InferenceRequest, limit: int) -> bool:
 
 def _count_local(tokenizer: LocalTokenizer, request: InferenceRequest, off_loop: bool) -> tuple[int, ...]:
     if request.messages is not None:
-        return (tokenizer.count_messages(request.messages, request.tools, off_loop=off_loop),)
+        return (
+            tokenizer.count_messages(request.messages, request.tools, off_loop=off_loop, extra=request.template_kwargs),
+        )
     return tuple(len(p) if isinstance(p, list) else tokenizer.count(p, off_loop=off_loop) for p in request.prompts)

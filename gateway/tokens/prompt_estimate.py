@@ -64,6 +64,8 @@ def prompt_sizes(request: InferenceRequest) -> tuple[int, ...] | None:
             size = len(orjson.dumps(request.messages)) + CHAT_OVERHEAD_BYTES
             if request.tools:
                 size += len(orjson.dumps(request.tools))
+            if request.template_kwargs:
+                size += len(orjson.dumps(request.template_kwargs))
         except TypeError:  # orjson.JSONEncodeError: not JSON (built in code, not parsed from a body)
             return None
         return (size,)

@@ -63,7 +63,12 @@ class LocalTokenizer(Protocol):
     def count(self, text: str, *, off_loop: bool = False) -> int: ...
 
     def count_messages(
-        self, messages: Sequence[Message], tools: Sequence[Any] | None = None, *, off_loop: bool = False
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Any] | None = None,
+        *,
+        off_loop: bool = False,
+        extra: Mapping[str, Any] | None = None,
     ) -> int: ...
 
 
@@ -86,7 +91,12 @@ _PER_NAME = 1
 _REPLY_PRIMING = 3
 
 
-def _framed_count(count: Callable[[str], int], messages: Sequence[Message], tools: Sequence[Any] | None) -> int:
+def _framed_count(
+    count: Callable[[str], int],
+    messages: Sequence[Message],
+    tools: Sequence[Any] | None,
+    extra: Mapping[str, Any] | None = None,
+) -> int:
     total = _REPLY_PRIMING
     for m in messages:
         total += _PER_MESSAGE + count(message_text(m)) + count(str(m.get("role", "")))
@@ -96,6 +106,8 @@ def _framed_count(count: Callable[[str], int], messages: Sequence[Message], tool
             total += count(json.dumps(m["tool_calls"]))
     if tools:
         total += count(json.dumps(tools))
+    if extra:  # documents and chat_template_kwargs: whatever the template would make of them, at least their text
+        total += count(json.dumps(extra, default=str))
     return total
 
 
@@ -122,9 +134,14 @@ class HeuristicTokenizer:
         ][: self.count(text)]
 
     def count_messages(
-        self, messages: Sequence[Message], tools: Sequence[Any] | None = None, *, off_loop: bool = False
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Any] | None = None,
+        *,
+        off_loop: bool = False,
+        extra: Mapping[str, Any] | None = None,
     ) -> int:
-        return _framed_count(self.count, messages, tools)
+        return _framed_count(self.count, messages, tools, extra)
 
 
 # The split patterns of OpenAI's published encodings (from tiktoken_ext/openai_public.py).
@@ -192,9 +209,14 @@ class TiktokenTokenizer:
         return len(self.encode(text))
 
     def count_messages(
-        self, messages: Sequence[Message], tools: Sequence[Any] | None = None, *, off_loop: bool = False
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Any] | None = None,
+        *,
+        off_loop: bool = False,
+        extra: Mapping[str, Any] | None = None,
     ) -> int:
-        return _framed_count(self.count, messages, tools)
+        return _framed_count(self.count, messages, tools, extra)
 
 
 def _load_ranks(path: Path) -> dict[bytes, int]:
@@ -286,15 +308,22 @@ class HFTokenizer:
     def count(self, text: str, *, off_loop: bool = False) -> int:
         return self._count(text, True, off_loop)
 
-    def render_chat(self, messages: Sequence[Message], tools: Sequence[Any] | None = None) -> str:
+    def render_chat(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None = None, extra: Mapping[str, Any] | None = None
+    ) -> str:
         """The prompt the engine would build. A template that refuses the messages (``raise_exception``, or
-        a TypeError on content it did not expect) is the client's error: 400, as vLLM answers."""
+        a TypeError on content it did not expect) is the client's error: 400, as vLLM answers. ``extra``: the
+        request's documents and chat_template_kwargs (the template reads those it names; the special tokens
+        stay the tokenizer's)."""
         if self._template is None:
             raise TokenizerUnavailable(f"{self.name} has no chat template")
         from jinja2.exceptions import TemplateError
 
         try:
+            own = ("messages", "tools", "add_generation_prompt")
+            variables = {k: v for k, v in extra.items() if k not in self._special and k not in own} if extra else {}
             rendered: str = self._template.render(
+                **variables,
                 messages=conversation(messages, self._content_format, self._template_source),
                 tools=tools,
                 add_generation_prompt=True,
@@ -307,12 +336,17 @@ class HFTokenizer:
         return rendered
 
     def count_messages(
-        self, messages: Sequence[Message], tools: Sequence[Any] | None = None, *, off_loop: bool = False
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Any] | None = None,
+        *,
+        off_loop: bool = False,
+        extra: Mapping[str, Any] | None = None,
     ) -> int:
         if self._template is None:
-            return _framed_count(lambda text: self.count(text, off_loop=off_loop), messages, tools)
+            return _framed_count(lambda text: self.count(text, off_loop=off_loop), messages, tools, extra)
         # vLLM tokenizes the rendered chat without adding special tokens again: the template has them.
-        return self._count(self.render_chat(messages, tools), False, off_loop)
+        return self._count(self.render_chat(messages, tools, extra), False, off_loop)
 
 
 def _model_vocab_size(config_file: Path) -> int | None:

@@ -191,6 +191,37 @@ def test_a_prompt_longer_than_the_context_is_served_when_the_client_truncates_it
     assert assert_ledger_empty(gw)["kvgate_requests_admitted_total"] == 2
 
 
+def test_a_chats_documents_are_prompt(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:
+    """vLLM renders a chat's ``documents`` and ``chat_template_kwargs`` into its prompt: kvgate prices them with
+    it (a RAG request whose documents fill the context is refused, not admitted as a two-word chat), and its
+    estimate of a chat carrying them is what the engine counted."""
+    upstream = mini_vllm(token_delay_ms=0)
+    gw = gateway(upstream, {"tokenizer": "heuristic"})
+    client = openai.OpenAI(base_url=gw + "/v1", api_key="x")
+    question = [{"role": "user", "content": "what does it say?"}]
+    docs = [{"title": "manual", "text": "word " * 1000}]  # ~1,250 tokens at the heuristic's 4 characters each
+    answer = client.chat.completions.create(
+        model="mini",
+        messages=question,
+        max_tokens=4,
+        extra_body={"documents": docs, "chat_template_kwargs": {"persona": "terse"}},
+    )
+    assert answer.usage is not None and answer.usage.prompt_tokens > 1250
+    metrics = scrape(gw)
+    assert metrics["kvgate_prompt_tokens_estimated_total"] == metrics["kvgate_prompt_tokens_actual_total"]
+    whole = [{"title": "manual", "text": "word " * 4000}]  # 5,000 tokens: past the 4,096-token context
+    rid = "rag-too-long"
+    r = httpx.post(
+        gw + "/v1/chat/completions",
+        json={"model": "mini", "messages": question, "documents": whole, "max_tokens": 4},
+        headers={"x-request-id": rid},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert all(seen[2].rpartition("-")[0] != rid for seen in httpx.get(upstream + "/debug/requests").json())
+    assert_ledger_empty(gw)
+
+
 def test_oversized_body_is_413(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:
     gw = gateway(mini_vllm(), {"tokenizer": "heuristic", "limits": {"max_body_bytes": 2048}})
     r = httpx.post(gw + "/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1})

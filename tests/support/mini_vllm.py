@@ -68,8 +68,11 @@ class State:
 
 
 def _prompt_tokens(body: dict[str, Any]) -> int:
-    if "messages" in body:
-        return _tok.count_messages(body["messages"])
+    if "messages" in body:  # as vLLM renders a chat: with its tools, chat_template_kwargs and documents
+        extra = dict(body.get("chat_template_kwargs") or {})
+        if body.get("documents") is not None:
+            extra["documents"] = body["documents"]
+        return _tok.count_messages(body["messages"], body.get("tools"), extra=extra or None)
     prompt = body.get("prompt", "")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         return len(prompt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -30,10 +30,15 @@ class SpyTokenizer(HeuristicTokenizer):
         self.calls: list[tuple[str, bool]] = []
 
     def count_messages(
-        self, messages: Sequence[Message], tools: Sequence[Any] | None = None, *, off_loop: bool = False
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Any] | None = None,
+        *,
+        off_loop: bool = False,
+        extra: Mapping[str, Any] | None = None,
     ) -> int:
         self.calls.append((threading.current_thread().name, off_loop))
-        return super().count_messages(messages, tools, off_loop=off_loop)
+        return super().count_messages(messages, tools, off_loop=off_loop, extra=extra)
 
 
 def chat(messages: list[dict[str, Any]], **extra: Any) -> InferenceRequest:
@@ -57,8 +62,10 @@ BIG = "x" * 200  # past the counters' offload_chars=100 below
         chat([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": BIG}}]}]),
         chat([{"role": "tool", "content": "ok", "tool_call_id": BIG}]),
         chat([{"role": "user", "content": "a" * 60}, {"role": "user", "content": "b" * 60}]),
+        chat([{"role": "user", "content": "hi"}], documents=[{"title": "t", "text": BIG}]),
+        chat([{"role": "user", "content": "hi"}], chat_template_kwargs={"context": BIG}),
     ],
-    ids=["tools", "text-parts", "string-parts", "name", "tool-calls", "tool-call-id", "summed"],
+    ids=["tools", "text-parts", "string-parts", "name", "tool-calls", "tool-call-id", "summed", "documents", "kwargs"],
 )
 async def test_every_tokenized_field_counts_toward_offloading(request_: InferenceRequest) -> None:
     tok = SpyTokenizer()
@@ -299,3 +306,18 @@ async def test_tokenize_carries_the_engines_api_key(engine: Callable[[Handler], 
         assert await keyed.count(completion("hello")) == (3,)
         assert await TokenCounter(None, session=session, upstream=url).count(completion("other")) == (3,)
     assert seen == ["Bearer engine-secret", None]
+
+
+async def test_documents_and_template_kwargs_go_to_tokenize_as_the_template_sees_them(
+    engine: Callable[[Handler], Awaitable[str]],
+) -> None:
+    """vLLM's /tokenize has no ``documents`` field, but hands its ``chat_template_kwargs`` to the template, as the
+    chat route does with both: the documents go there, so the count is the prompt the chat will have."""
+    fake = CountingEngine()
+    url = await engine(fake.handle)
+    docs = [{"title": "manual", "text": "a long document " * 50}]
+    request = chat([{"role": "user", "content": "hi"}], documents=docs, chat_template_kwargs={"enable_thinking": False})
+    await _remote_count(url, request)
+    assert fake.bodies[-1]["chat_template_kwargs"] == {"enable_thinking": False, "documents": docs}
+    await _remote_count(url, chat([{"role": "user", "content": "hi"}]))
+    assert "chat_template_kwargs" not in fake.bodies[-1]

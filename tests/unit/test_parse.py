@@ -98,6 +98,9 @@ def _chat(*messages: object, **extra: object) -> dict[str, object]:
         (_chat({"role": "assistant", "content": None, "tool_calls": [1]}), "messages[0].tool_calls[0]"),
         (_chat({"role": "user", "content": "x"}, tools=[{"type": "function"}, "f"]), "tools[1]"),
         (_chat({"role": "user", "content": "x"}, tools={"type": "function"}), "tools"),
+        (_chat({"role": "user", "content": "x"}, documents=["text"]), "documents[0]"),
+        (_chat({"role": "user", "content": "x"}, documents={"text": "t"}), "documents"),
+        (_chat({"role": "user", "content": "x"}, chat_template_kwargs=["x"]), "chat_template_kwargs"),
     ],
 )
 def test_tokenized_chat_fields_are_checked(body: dict[str, object], param: str) -> None:
@@ -308,3 +311,14 @@ def test_each_score_pair_alone_is_read() -> None:
         {"data_1": "q", "data_2": ["d", "e"]},
     ):
         assert len(parse_body("score", orjson.dumps({"model": "m", **body})).prompts) == 2
+
+
+def test_what_a_chat_template_reads_beyond_the_messages_is_kept_for_the_count() -> None:
+    """vLLM hands a chat's template its documents and chat_template_kwargs: they are prompt, so counted. The
+    variables kvgate's count sets itself are not the client's to replace."""
+    plain = parse("chat", _chat({"role": "user", "content": "x"}))
+    assert plain.template_kwargs is None
+    docs = [{"title": "a", "text": "b"}]
+    body = _chat({"role": "user", "content": "x"}, documents=docs)
+    body["chat_template_kwargs"] = {"persona": "p", "messages": [], "add_generation_prompt": False, "documents": []}
+    assert parse("chat", body).template_kwargs == {"persona": "p", "documents": docs}

@@ -258,3 +258,14 @@ def test_errors_fall_in_fixed_buckets_and_count_misses() -> None:
     cumulative = dict(errors.cumulative())
     assert cumulative[0.5] == 1 and cumulative[1.0] == 2 and cumulative[1.05] == 3
     assert cumulative[1.25] == 5 and cumulative[2.0] == 5 and cumulative[math.inf] == 6
+
+
+def test_a_chats_documents_and_template_kwargs_are_part_of_its_measure() -> None:
+    """Priced without the tokenizer, a chat whose documents the template renders must not look short."""
+    messages = [{"role": "user", "content": "hi"}]
+    plain = parse_request("chat", orjson.dumps({"messages": messages}))
+    docs = [{"text": "d" * 5000}]
+    rag = parse_request("chat", orjson.dumps({"messages": messages, "documents": docs}))
+    kwargs = parse_request("chat", orjson.dumps({"messages": messages, "chat_template_kwargs": {"ctx": "c" * 5000}}))
+    (base,), (with_docs,), (with_kwargs,) = (prompt_sizes(r) for r in (plain, rag, kwargs))  # type: ignore[misc]
+    assert with_docs >= base + 5000 and with_kwargs >= base + 5000

@@ -16,7 +16,13 @@ import pytest
 from gateway.protocol.errors import GatewayError
 from gateway.protocol.requests import parse_request
 from gateway.tokens.counting import TokenCounter
-from gateway.tokens.tokenizers import HFTokenizer, TiktokenTokenizer, TokenizerUnavailable, load_tokenizer
+from gateway.tokens.tokenizers import (
+    HeuristicTokenizer,
+    HFTokenizer,
+    TiktokenTokenizer,
+    TokenizerUnavailable,
+    load_tokenizer,
+)
 from tests.support.bpe import build_bpe_dir
 
 CHAT_TEMPLATE = (
@@ -243,3 +249,25 @@ def test_vocabulary_size_only_for_the_served_models_tokenizer(hf_dir: Path, tmp_
     assert load_tokenizer(f"hf:{padded}").vocab_size == 512
     assert load_tokenizer(f"tiktoken:{_rank_file(tmp_path)}").vocab_size is None  # not the served model's
     assert load_tokenizer("heuristic").vocab_size is None
+
+
+def test_documents_and_template_kwargs_are_counted_as_part_of_the_prompt(tmp_path: Path) -> None:
+    """A RAG template renders the request's documents and reads its chat_template_kwargs: the local count
+    renders them too. The variables kvgate sets itself (the messages, the special tokens) stay its own. Without
+    a template, their text is counted."""
+    template = (
+        "{{ bos_token }}{% for d in documents or [] %}<|doc|>{{ d['text'] }}{% endfor %}"
+        "{% if persona %}<|system|>{{ persona }}{% endif %}"
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}<|assistant|>"
+    )
+    corpus = ["the quick brown fox jumps over the lazy dog"] * 50
+    tok = load_tokenizer(f"hf:{build_bpe_dir(tmp_path, corpus, 300, template)}")
+    assert isinstance(tok, HFTokenizer)
+    messages = [{"role": "user", "content": "the fox"}]
+    extra = {"documents": [{"text": "the lazy dog"}], "persona": "brown", "bos_token": "x", "messages": []}
+    rendered = tok.render_chat(messages, None, extra)
+    assert rendered == "<s><|doc|>the lazy dog<|system|>brown<|user|>the fox<|end|><|assistant|>"
+    assert tok.count_messages(messages, extra=extra) > tok.count_messages(messages)
+    plain = HeuristicTokenizer(4.0)
+    long_docs = {"documents": [{"text": "d" * 4000}]}
+    assert plain.count_messages(messages, extra=long_docs) >= plain.count_messages(messages) + 1000
