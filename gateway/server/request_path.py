@@ -99,9 +99,7 @@ class RequestPath:
                 try:
                     where = route(scope["method"], raw_path, policy.allowed)
                 except GatewayError:
-                    # which paths exist is not for strangers: a caller without a valid key hears 401 first
-                    if not policy.admin_keys.accepts(authorization):
-                        policy.authenticate(authorization)
+                    policy.holds_a_key(authorization)  # which paths exist is not for strangers: 401 first
                     raise
                 query = scope.get("query_string")
                 target = raw_path + "?" + query.decode("latin-1") if query else raw_path
@@ -109,6 +107,7 @@ class RequestPath:
                     # the engine's admin routes answer to the admin keys alone, or else to a tenant's key:
                     # never to an anonymous caller, whatever auth.require_api_key says
                     if policy.admin_keys:
+                        policy.holds_a_key(authorization)  # a stranger hears 401, as for a path that is not open
                         policy.admin_keys.check(authorization)
                     else:
                         policy.authenticate(authorization, anonymous=False)

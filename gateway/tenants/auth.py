@@ -50,6 +50,10 @@ class TenantDirectory:
             for key in tenant.api_keys:
                 self._by_digest[_digest_of(key)] = tenant.name
 
+    @property
+    def has_keys(self) -> bool:
+        return bool(self._by_digest)
+
     def authenticate(self, authorization: bytes | None, anonymous: bool = True) -> str:
         """The tenant's name; anonymous traffic goes to the default tenant unless keys are required (or
         ``anonymous`` is False: a route only a key may call)."""

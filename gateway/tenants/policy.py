@@ -61,6 +61,13 @@ class Policy:
     def authenticate(self, authorization: bytes | None, anonymous: bool = True) -> str:
         return self.directory.authenticate(authorization, anonymous)
 
+    def holds_a_key(self, authorization: bytes | None) -> None:
+        """401 unless the caller has a key (a tenant's or an admin's) of a gateway that has keys at all: what is
+        refused where (an unknown path, an admin route) is told to key holders only, even when anonymous
+        callers may generate; a gateway with no keys has no one to keep it from."""
+        if (self.directory.has_keys or self.admin_keys) and not self.admin_keys.accepts(authorization):
+            self.directory.authenticate(authorization, anonymous=False)
+
     def resolve(self, tenant: str, model: str | None, served: tuple[str, ...] = ()) -> TenantPolicy:
         """The tenant's limits for ``model``. ``served``: the names the engine's base model answers to; vLLM
         runs a request without a model (or under any of them) on that model, so its limits are found under

@@ -113,6 +113,10 @@ def test_every_route_needs_a_key_and_admin_routes_open_only_when_listed(
     assert reached(upstream, "models") == [("GET", "/v1/models")]
     # an allow-listed admin route: only with the admin key
     assert raw_request(gw, "POST", "/reset_prefix_cache", rid="tenant-reset") == 403
+    # a stranger cannot tell an open admin route from a path that is not there
+    for key in (None, "sk-guess"):
+        assert raw_request(gw, "POST", "/reset_prefix_cache", key=key, rid="stranger-reset") == 401
+        assert raw_request(gw, "POST", "/sleep", key=key, rid="stranger-sleep") == 401
     assert raw_request(gw, "POST", "/reset_prefix_cache", key=ADMIN, rid="admin-reset") == 200
     assert reached(upstream, "tenant-reset") == []
     assert reached(upstream, "admin-reset") == [("POST", "/reset_prefix_cache")]
@@ -139,6 +143,10 @@ def test_without_admin_keys_an_allowed_admin_route_still_needs_a_tenant_key(
     assert reached(upstream, "anon-reset") == reached(upstream, "wrong-reset") == []
     assert raw_request(gw, "POST", "/reset_prefix_cache", rid="tenant-reset") == 200
     assert reached(upstream, "tenant-reset") == [("POST", "/reset_prefix_cache")]
+    # an anonymous caller may generate, but is told nothing of the paths that are not open to it either
+    for target, status in (("/sleep", 404), ("/v1/./completions", 400), ("/reset_prefix_cache/", 400)):
+        assert raw_request(gw, "POST", target, key=None, rid="anon-probe") == 401, target
+        assert raw_request(gw, "POST", target, rid="tenant-probe") == status, target
 
 
 def test_other_generation_routes_go_through_admission(
