@@ -287,10 +287,13 @@ class Admitter:
         book = self.controller.engines.get(engine)
         return book is None or book.events_are_tokens
 
-    def learn(self, reservation: Reservation, completion_tokens: int, *, ended: bool = True) -> None:
+    def learn(
+        self, reservation: Reservation, completion_tokens: int, *, ended: bool = True, whole: bool = False
+    ) -> None:
         """A request completed with ``completion_tokens`` (or was stopped after them: ``ended=False``): the
-        output-length estimate learns it, and the pace of answers how long it took."""
-        self.controller.learn(reservation, completion_tokens, ended=ended, now=self.clock())
+        output-length estimate learns it, and, for an answer sent whole (``whole``), the pace of answers how
+        long it took."""
+        self.controller.learn(reservation, completion_tokens, ended=ended, now=self.clock() if whole else None)
 
     def answer_s(self, cost: RequestCost, key: tuple[str, ...]) -> float:
         """Seconds a request like this is expected to take from admission to its answer's end (0: unknown)."""

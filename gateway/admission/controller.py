@@ -24,7 +24,7 @@ from gateway.admission.affinity import PrefixMap
 from gateway.admission.engine import EngineBook, SampleVerdict, UsageSample
 from gateway.admission.gate import HysteresisGate
 from gateway.admission.ledger import ENGINE_LEAD_TOKENS, Ledger, Reservation
-from gateway.admission.output_lengths import OutputLengths
+from gateway.admission.output_lengths import BEYOND, OutputLengths
 from gateway.admission.queue import AdmissionQueue, QueueClass, Refused, Ticket
 from gateway.admission.service_time import ServicePace
 from gateway.config import AdmissionConfig
@@ -537,24 +537,27 @@ class AdmissionController:
         it was stopped before it ended (its client went away). One that ran into its own budget was stopped as
         well: both are learned as longer than what they produced, not as lengths (a completion's default of 16
         would teach every chat that outputs are 16 tokens long, and a tenant's cap that outputs end under it). A
-        batch, whose mean hides its longest sequence, is not learned. ``now``: when its answer ended, which
-        teaches the pace answers come at (:meth:`answer_s`)."""
+        batch, whose mean hides its longest sequence, is not learned. ``now``: when its answer, sent whole (not
+        streamed), ended, which teaches the pace answers come at (:meth:`answer_s`)."""
+        if ended and now is not None and res.full.num_sequences == 1:  # n > 1 decodes its sequences side by side
+            self.pace.observe(completion_tokens, now - res.admitted_at)
         if not teaches(res):
             return
-        if ended and now is not None:
-            self.pace.observe(completion_tokens, now - res.admitted_at)
         ended = ended and completion_tokens < res.full.max_output
         if ended or completion_tokens > 0:
             self.lengths.observe(res.key, min(completion_tokens, res.full.max_output), ended=ended)
 
     def answer_s(self, cost: RequestCost, key: tuple[str, ...]) -> float:
-        """Seconds a request like this one is expected to take once admitted, to its answer's end: the median
-        output length of its key (never past its budget, never short of its floor) at the latest answers'
-        pace; 0 while either is unknown (see :mod:`gateway.admission.service_time`)."""
+        """Seconds a request like this one is expected to take once admitted, to its answer's end: its output
+        (its budget, if it runs to it, as with ignore_eos; else the median output length of its key, never
+        past its budget nor short of its floor) at the latest answers' pace; 0 while either is unknown, or when
+        most of its key's requests ran past anything seen to end (see :mod:`gateway.admission.service_time`)."""
         if cost.num_sequences > 1 or cost.max_output == 0:
             return 0.0
+        if cost.min_output >= cost.max_output:
+            return self.pace.answer_s(cost.max_output)
         median = self.lengths.quantile(key, 0.5)
-        if median is None:
+        if median is None or median == BEYOND:
             return 0.0
         return self.pace.answer_s(min(cost.max_output, max(cost.min_output, median)))
 

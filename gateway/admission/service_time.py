@@ -7,28 +7,33 @@ time such a request may wait in the queue is its timeout less the time it will t
 its expected output length at the pace answers have lately come at (prefill and queueing in the engine
 included, from admission to the last byte).
 
-The pace is the median of the latest answers' seconds per output token, counting only answers long enough for
-their decoding to outweigh their prefill. It errs short rather than long: a wait budget cut too far refuses a
-request that would have been served, one cut too little only leaves things as they were.
+The pace is learned from whole answers only (a stream's end waits on its client's reading), of at least
+``MIN_TOKENS`` tokens, and it errs short rather than long: a wait budget cut too far refuses a request that would
+have been served, one cut too little only leaves things as they were. Every answer's time has a fixed part
+(its prefill, its wait in the engine's own queue), which makes its seconds per token longer than its decoding,
+the more so the shorter it is and the longer its prompt: the pace is the lower quartile of the latest answers'
+seconds per token, not their median, so a tenant of long prompts and short answers does not cut the budgets of
+everyone else.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
-from statistics import median
 
 MIN_TOKENS = 16  # shorter answers are mostly prefill: their seconds per token say little about decoding
 MIN_SAMPLES = 8  # answers needed before the pace is trusted
 WINDOW = 64  # the latest answers: the pace follows the engine's load as it changes
+PACE_QUANTILE = 0.25  # of the latest answers' seconds per token: see the module docstring
 
 
 class ServicePace:
-    """Seconds per output token of the latest answers (admission to last byte)."""
+    """Seconds per output token of the latest whole answers (admission to last byte)."""
 
     def __init__(self, window: int = WINDOW, min_samples: int = MIN_SAMPLES) -> None:
         self._per_token: deque[float] = deque(maxlen=window)
         self.min_samples = min_samples
-        self._median: float | None = None
+        self._pace: float | None = None
 
     def __len__(self) -> int:
         return len(self._per_token)
@@ -38,15 +43,16 @@ class ServicePace:
         if output_tokens < MIN_TOKENS or seconds <= 0:
             return
         self._per_token.append(seconds / output_tokens)
-        self._median = None
+        self._pace = None
 
     def seconds_per_token(self) -> float | None:
-        """The median pace, or None while too few answers are known."""
+        """The pace (:data:`PACE_QUANTILE` of the latest answers), or None while too few answers are known."""
         if len(self._per_token) < self.min_samples:
             return None
-        if self._median is None:
-            self._median = median(self._per_token)
-        return self._median
+        if self._pace is None:
+            ordered = sorted(self._per_token)
+            self._pace = ordered[max(0, math.ceil(PACE_QUANTILE * len(ordered)) - 1)]
+        return self._pace
 
     def answer_s(self, output_tokens: int) -> float:
         """Seconds an answer of ``output_tokens`` is expected to take once admitted; 0 while unknown."""

@@ -115,7 +115,7 @@ def _chat(
 ) -> InferenceRequest:
     if not messages:
         raise bad_request("The request has no input.", param="input")
-    whole = body.get("stream") is not True
+    whole = optional_field(body, "stream", bool) is not True
     return InferenceRequest("chat", _model(body), 1, max_tokens, messages, [], tools, whole_answer=whole)
 
 

@@ -210,7 +210,8 @@ class Exchange:
         if self.admission is not None:
             reservation = self.admission.reservation
             if answered and self.usage is not None:
-                self._admitter.learn(reservation, self.usage.completion_tokens)  # the length the engine said
+                # the length the engine said, and for an answer sent whole, how long it took
+                self._admitter.learn(reservation, self.usage.completion_tokens, whole=whole_answer)
             elif answered and not whole_answer:
                 # a stream without usage: its event count is its length when each event is one token; a batched
                 # or speculative stream's is only a floor, which would teach lengths short of the truth: it

@@ -3,6 +3,7 @@ under a read timeout (the OpenAI SDKs) for waiting in the queue."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -10,6 +11,7 @@ from gateway.admission.controller import AdmissionController, Admitted, Rejected
 from gateway.admission.service_time import MIN_SAMPLES, MIN_TOKENS, ServicePace
 from gateway.config import AdmissionConfig
 from gateway.protocol.bodies import parse_body
+from gateway.protocol.errors import GatewayError
 from gateway.protocol.requests import parse_request
 from gateway.server.hints import client_hints
 from gateway.tokens.cost import KvGeometry, RequestCost
@@ -31,9 +33,11 @@ def test_the_pace_is_unknown_until_enough_answers_long_enough_to_tell_have_ended
     assert pace.seconds_per_token() == 0.02 and pace.answer_s(500) == 10.0
 
 
-def test_the_pace_is_the_median_of_the_latest_answers_and_follows_the_engine_as_it_slows() -> None:
+def test_the_pace_errs_short_and_follows_the_engine_as_it_slows() -> None:
+    """A tenant of long prompts and short answers (each one's prefill adds to its seconds per token) does not
+    set everyone's pace: it is the lower quartile of the latest answers'."""
     pace = ServicePace(window=16, min_samples=4)
-    for seconds in (1.0, 1.0, 1.0, 100.0):  # one answer stuck behind a long prefill does not set the pace
+    for seconds in (1.0, 1.0, 1.0, 1.0, 1.0, 100.0, 100.0, 100.0):
         pace.observe(100, seconds)
     assert pace.seconds_per_token() == 0.01
     for _ in range(16):  # the engine got busier: only the latest 16 answers count
@@ -51,10 +55,11 @@ def test_an_answer_time_is_never_negative_and_grows_with_its_length(
     assert 0.0 <= pace.answer_s(tokens) <= pace.answer_s(tokens + 1)
 
 
-def learned(c: AdmissionController, answers: int, tokens: int, seconds: float) -> None:
-    """``answers`` requests of KEY admitted at 0 that each answered ``tokens`` tokens, ending at ``seconds``."""
+def learned(c: AdmissionController, answers: int, tokens: int, seconds: float, budget: int = 1000) -> None:
+    """``answers`` requests of KEY admitted at 0 that each answered ``tokens`` tokens whole, ending at
+    ``seconds``."""
     for _ in range(answers):
-        d = c.submit(RequestCost((16,), 1, 1000, 70), "t", 0.0, key=KEY)
+        d = c.submit(RequestCost((16,), 1, budget, 70), "t", 0.0, key=KEY)
         assert isinstance(d, Admitted)
         c.learn(d.reservation, tokens, now=seconds)
         c.release(d.reservation, seconds)
@@ -76,6 +81,15 @@ def test_an_answer_takes_its_keys_median_length_at_the_latest_pace_within_its_ow
     ignore_eos = RequestCost((16,), 1, 400, 30, min_output=2**31 - 1)  # runs to its budget, exactly
     assert c.answer_s(ignore_eos, KEY) == 20.0
     assert c.answer_s(RequestCost((16,), 2, 1000, 140), KEY) == 0.0  # n=2: its longest sequence is unknown
+
+
+def test_a_length_nobody_has_seen_the_end_of_takes_nothing_off() -> None:
+    """Most answers of the key ran into their budget: where they would have ended is unknown, so the time its
+    answer takes is too (not its whole budget, the rest of a context for a chat without max_tokens)."""
+    c = controller()
+    learned(c, 40, 200, 10.0, budget=200)  # each stopped by its max_tokens: learned as longer than that
+    assert len(c.pace) == 40
+    assert c.answer_s(RequestCost((16,), 1, 30_000, 1900), KEY) == 0.0
 
 
 def test_a_stopped_answer_teaches_no_pace() -> None:
@@ -122,5 +136,32 @@ def test_a_request_knows_whether_its_answer_comes_in_one_piece() -> None:
     )
     assert parse_body("responses", b'{"input": "x", "stream": true}').whole_answer is False
     assert parse_body("responses", b'{"input": "x"}').whole_answer is True
+    with pytest.raises(GatewayError):  # as on chat and completions: a boolean, not something like one
+        parse_body("messages", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "stream": 1}')
     assert parse_body("pooling", b'{"input": "x"}').whole_answer is True
     assert parse_body("audio", b"--multipart--").whole_answer is False  # unread: it may stream
+
+
+async def test_only_a_whole_answer_under_a_read_timeout_has_its_answer_time_kept_out_of_its_wait() -> None:
+    """The exchange's wait budget: the SDK's read timeout, less the answer's expected time, for an answer sent
+    whole; a stream, or a budget said in kvgate's own header, is not cut; a refusal says the time it kept."""
+    from gateway.admission.admitter import Admitter
+    from gateway.metrics import GatewayMetrics
+    from gateway.server.hints import ClientHints
+    from tests.unit.test_admitter import exchange, tenant
+
+    clock = [30.0]
+    admitter = Admitter(controller(), GatewayMetrics(), lambda: clock[0])
+    learned(admitter.controller, 40, 200, 10.0)  # 200 tokens in 10 s
+    cost = RequestCost((16,), 1, 1000, 70)
+    cases = [
+        (ClientHints(59.0, read_timeout=True), True, 49.0),
+        (ClientHints(59.0, read_timeout=True), False, 59.0),  # a stream: its read timeout runs between events
+        (ClientHints(59.0), True, 59.0),  # x-kvgate-max-wait-s: a queue budget
+        (ClientHints(5.0, read_timeout=True), True, 0.0),
+    ]
+    for hints, whole, budget in cases:
+        ex = exchange(admitter)
+        ex.client, ex.whole_answer = hints, whole
+        await ex.charge_rate_limits(tenant(admitter), cost, KEY)
+        assert ex.wait_budget_s == budget, (hints, whole)
