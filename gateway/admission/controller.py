@@ -469,7 +469,7 @@ class AdmissionController:
                 head = self._first_with_an_engine()
                 if head is None or (placed := self.place(head.cost.blocks, now, head.prefix)) is None:
                     break
-                self.queue.remove(head)
+                self.queue.serve(head)
             else:
                 self.queue.pop()
             book, usage, by_affinity = placed

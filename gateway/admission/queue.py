@@ -245,9 +245,14 @@ class AdmissionQueue:
         ticket = self.peek()
         if ticket is None:
             raise IndexError("pop from an empty queue")
+        self.serve(ticket)
+        return ticket
+
+    def serve(self, ticket: Ticket) -> None:
+        """Take ``ticket`` out as served (the head, or one let past a head that waits for an engine): its
+        tenant has had its share, unlike a ticket :meth:`remove` takes out unserved."""
         self._classes[ticket.priority].pop(ticket)
         self._forget(ticket)
-        return ticket
 
     def remove(self, ticket: Ticket) -> bool:
         if self._by_id.get(ticket.id) is not ticket:

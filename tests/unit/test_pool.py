@@ -261,3 +261,19 @@ def test_a_request_only_an_ejected_engine_could_hold_does_not_hold_up_the_rest_o
     behind = c.submit(req(2), "t", 3.1, max_wait_s=60.0)
     assert isinstance(head, Queued) and isinstance(behind, Queued)
     assert c.pump(3.1) == [] and len(c.queue) == 2
+
+
+def test_a_request_let_past_a_stranded_head_has_had_its_tenants_share() -> None:
+    """Served out of line, a ticket still counts as its tenant's turn: the tenant's next one does not move up
+    ahead of another tenant's that came before it."""
+    c = pool(200, 100)
+    c.eject("e0", 1.0)
+    big = c.submit(req(150), "x", 1.1, max_wait_s=60.0)
+    a1, a2 = (c.submit(req(50), "a", 1.1, max_wait_s=60.0) for _ in range(2))
+    b1 = c.submit(req(50), "b", 1.1, max_wait_s=60.0)
+    assert all(isinstance(d, Queued) for d in (big, a1, a2, b1))
+    [(first, res)] = c.pump(1.1)  # e1 takes one of 50 at a time under its watermark
+    assert isinstance(a1, Queued) and first is a1.ticket
+    c.release(res, 1.2)
+    [(second, _)] = c.pump(1.2)
+    assert isinstance(b1, Queued) and second is b1.ticket  # not a2: a has had its turn
