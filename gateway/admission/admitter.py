@@ -324,7 +324,8 @@ class Admitter:
         # leaving, or without fresh metrics); a closed gate closes for every replica alike, and opens for the
         # replica that scrapes first: the head is held for there too.
         placeable = book is not None and book.placeable and not book.is_stale(now)
-        waiting = self.controller.queued_first(now) if placeable else ()
+        within = None if book is None or book.geometry is None else book.geometry.num_blocks
+        waiting = self.controller.queued_first(now, within=within) if placeable else ()
         # Taken in the same step as ``held``: a reservation made after it has a newer id than ``upto``.
         peak = None if book is None else (next(self._restates), book.shared_peak())
         upto = None if book is None else book.ledger.last_id

@@ -478,14 +478,21 @@ class AdmissionController:
             admitted.append((head, res))
         return admitted
 
-    def queued_first(self, now: float, count: int = QUEUE_SHOWN) -> tuple[tuple[float, int, int], ...]:
+    def queued_first(
+        self, now: float, count: int = QUEUE_SHOWN, within: int | None = None
+    ) -> tuple[tuple[float, int, int], ...]:
         """The first ``count`` requests of the queue, in the order they would be admitted: (seconds each has
         waited since it first arrived, its blocks, its class). Other gateway replicas let them go before
         their requests of a lower class and their younger ones of the same class; more than the head, or a
-        replica admitting a burst into freed room would take all of it but the head's share."""
+        replica admitting a burst into freed room would take all of it but the head's share. ``within``: the
+        blocks of the engine they are shown for; a request larger than its whole pool waits for another engine,
+        not for room there, and is left out."""
+        shown = self.queue.in_order(first=count)
+        if within is not None and any(t.cost.blocks > within for t in shown):
+            shown = [t for t in self.queue.in_order() if t.cost.blocks <= within][:count]
         return tuple(
             (now - (t.enqueued_at if t.arrived_at is None else t.arrived_at), t.cost.blocks, t.priority)
-            for t in self.queue.in_order(first=count)
+            for t in shown
         )
 
     def expire(self, now: float) -> list[Ticket]:

@@ -277,3 +277,15 @@ def test_a_request_let_past_a_stranded_head_has_had_its_tenants_share() -> None:
     c.release(res, 1.2)
     [(second, _)] = c.pump(1.2)
     assert isinstance(b1, Queued) and second is b1.ticket  # not a2: a has had its turn
+
+
+def test_the_line_shown_to_other_replicas_for_an_engine_leaves_out_what_it_could_never_hold() -> None:
+    """Other replicas hold room on an engine for the requests queued here ahead of theirs: not for one larger
+    than that engine's whole pool, which waits for another engine."""
+    c = pool(200, 100)
+    c.eject("e0", 1.0)
+    c.submit(req(150), "x", 1.1, max_wait_s=60.0)
+    c.submit(req(95), "y", 1.1, max_wait_s=60.0)  # would fit e1 alone: waits for room there
+    assert [blocks for _, blocks, _ in c.queued_first(2.0)] == [150, 95]
+    assert [blocks for _, blocks, _ in c.queued_first(2.0, within=100)] == [95]
+    assert [blocks for _, blocks, _ in c.queued_first(2.0, within=200)] == [150, 95]
