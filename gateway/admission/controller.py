@@ -491,8 +491,7 @@ class AdmissionController:
         if within is not None and any(t.cost.blocks > within for t in shown):
             shown = [t for t in self.queue.in_order() if t.cost.blocks <= within][:count]
         return tuple(
-            (now - (t.enqueued_at if t.arrived_at is None else t.arrived_at), t.cost.blocks, t.priority)
-            for t in shown
+            (now - (t.enqueued_at if t.arrived_at is None else t.arrived_at), t.cost.blocks, t.priority) for t in shown
         )
 
     def expire(self, now: float) -> list[Ticket]:
