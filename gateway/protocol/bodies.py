@@ -14,15 +14,18 @@ engine sees them, coarsely where the body does not say more:
   extra fields, so a body with the fields of two types is refused (:data:`INVOCATION_TYPES`).
 * pooling routes (embeddings, ``/pooling``, ``/classify``): the inputs are prompts that produce no output tokens.
 * scoring routes (``/score``, ``/rerank``): each query/document pair is a prompt of its own, no output.
-* audio (multipart): the body is not read; the request reserves the whole context length (the decoder's own
+* audio (multipart): the body is not parsed; the request reserves the whole context length (the decoder's own
   limit), which is coarse but never short.
 
 Every JSON body is refused with a field the engine acts on that a client may not set (a ``priority`` other than
-0, KV/EC transfer parameters, prompt embeddings: :data:`gateway.protocol.requests.ENGINE_CONTROLS`).
+0, KV/EC transfer parameters, prompt embeddings: :data:`gateway.protocol.requests.ENGINE_CONTROLS`); so is an
+audio form whose ``vllm_xargs`` field carries the transfer parameters (the only one of them vLLM's audio
+requests take).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -47,6 +50,7 @@ def parse_body(kind: BodyKind, raw: bytes) -> InferenceRequest:
     if kind in ("chat", "completions"):
         return parse_request(kind, raw)
     if kind == "audio":
+        refuse_form_engine_controls(raw)
         return InferenceRequest("completions", None, 1, None, None, [[]], None, min_tokens=RUNS_TO_BUDGET)
     body = json_object(raw)
     refuse_engine_controls(body)
@@ -66,6 +70,27 @@ def parse_body(kind: BodyKind, raw: bytes) -> InferenceRequest:
     if kind == "pooling":
         return _pooling(body)
     return _score(body)
+
+
+# A multipart form's vllm_xargs field: its part's headers name it (quoted or not), its value follows the blank
+# line that ends them and runs to the CRLF before the next boundary.
+_XARGS_PART = re.compile(rb'name="?vllm_xargs"?[^\r\n]*\r\n(?:[^\r\n]+\r\n)*\r\n(.*?)\r\n--', re.DOTALL | re.IGNORECASE)
+
+
+def refuse_form_engine_controls(raw: bytes) -> None:
+    """vLLM's audio requests take ``vllm_xargs`` as a form field holding JSON, and copy it into the request's
+    extra args, where the KV and EC connectors read their transfer parameters: refused as in a JSON body. The
+    audio itself is not parsed; one search of the body for the field's name. A value that is not a JSON
+    object is left to the engine, which refuses it."""
+    if b"vllm_xargs" not in raw:
+        return
+    for match in _XARGS_PART.finditer(raw):
+        try:
+            xargs = orjson.loads(match.group(1))
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(xargs, dict):
+            refuse_engine_controls({"vllm_xargs": xargs})
 
 
 # The fields that make each of vLLM's /invocations request types validate, in the order it tries them

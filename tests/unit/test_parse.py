@@ -322,3 +322,24 @@ def test_what_a_chat_template_reads_beyond_the_messages_is_kept_for_the_count() 
     body = _chat({"role": "user", "content": "x"}, documents=docs)
     body["chat_template_kwargs"] = {"persona": "p", "messages": [], "add_generation_prompt": False, "documents": []}
     assert parse("chat", body).template_kwargs == {"persona": "p", "documents": docs}
+
+
+def _audio_form(**fields: str) -> bytes:
+    """A transcription request as a client library writes it: multipart, the audio file and form fields."""
+    import httpx
+
+    files = {"file": ("a.wav", b"RIFF....WAVEfmt vllm_xargs " + bytes(range(256)), "audio/wav")}
+    return httpx.Request("POST", "http://x/v1/audio/transcriptions", data=fields, files=files).read()
+
+
+def test_an_audio_form_cannot_carry_transfer_parameters_in_its_vllm_xargs() -> None:
+    """vLLM copies an audio request's ``vllm_xargs`` form field (JSON) into its extra args, where the KV
+    connectors read their transfer parameters: refused as in a JSON body, whatever the audio holds."""
+    assert parse_body("audio", _audio_form(model="w", language="en")).min_tokens > 0
+    assert parse_body("audio", _audio_form(vllm_xargs='{"my_plugin": 1}')).min_tokens > 0
+    assert parse_body("audio", _audio_form(vllm_xargs="not json")).min_tokens > 0  # the engine refuses it
+    for name in ("kv_transfer_params", "ec_transfer_params"):
+        body = _audio_form(model="w", vllm_xargs=orjson.dumps({name: {"remote": "x"}}).decode())
+        with pytest.raises(GatewayError) as err:
+            parse_body("audio", body)
+        assert err.value.status == 400 and err.value.param == f"vllm_xargs.{name}"
