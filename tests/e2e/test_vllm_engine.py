@@ -301,6 +301,28 @@ def test_count_chat_agrees_with_engine_usage(engine: VllmEngine, gateway: Proc, 
     assert tok.count_messages(messages) == engine_count == usage.prompt_tokens
 
 
+def test_a_chats_documents_and_template_kwargs_are_counted_as_the_engine_renders_them(
+    engine: VllmEngine, gateway: Proc
+) -> None:
+    """vLLM hands a chat's ``documents`` and ``chat_template_kwargs`` to its template; this model's template
+    renders neither, so the prompt is the messages' alone: kvgate's exact count renders them the same way (no
+    more, no less), and the engine's /tokenize, given them in ``chat_template_kwargs`` as kvgate sends them,
+    agrees."""
+    messages = CHATS[0]
+    extra = {"documents": [{"title": "manual", "text": "the lazy dog " * 40}], "chat_template_kwargs": {"x": 1}}
+    usage = (
+        client(gateway.url)
+        .chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=1, extra_body=extra)  # type: ignore[arg-type]
+        .usage
+    )
+    assert usage is not None
+    kwargs = {"x": 1, "documents": extra["documents"]}
+    engine_count = _tokenize(
+        engine, {"messages": messages, "add_generation_prompt": True, "chat_template_kwargs": kwargs}
+    )
+    assert hf_tokenizer().count_messages(messages, extra=kwargs) == engine_count == usage.prompt_tokens
+
+
 def test_gateway_estimates_equal_engine_usage_in_its_own_metrics(gateway: Proc) -> None:
     """kvgate's own books: prompt tokens it estimated at admission == what the engine reported."""
     sdk = client(gateway.url)
