@@ -19,13 +19,12 @@ engine sees them, coarsely where the body does not say more:
 
 Every JSON body is refused with a field the engine acts on that a client may not set (a ``priority`` other than
 0, KV/EC transfer parameters, prompt embeddings: :data:`gateway.protocol.requests.ENGINE_CONTROLS`); so is an
-audio form whose ``vllm_xargs`` field carries the transfer parameters (the only one of them vLLM's audio
-requests take).
+audio form that names ``vllm_xargs`` (where vLLM's audio requests take the transfer parameters), or is in a
+charset where that name would be other bytes.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from typing import Any
 
@@ -46,11 +45,12 @@ from gateway.protocol.requests import (
 from gateway.protocol.routes import BodyKind
 
 
-def parse_body(kind: BodyKind, raw: bytes) -> InferenceRequest:
+def parse_body(kind: BodyKind, raw: bytes, content_type: bytes | None = None) -> InferenceRequest:
+    """``content_type``: the request's, read for audio forms only (:func:`refuse_form_engine_controls`)."""
     if kind in ("chat", "completions"):
         return parse_request(kind, raw)
     if kind == "audio":
-        refuse_form_engine_controls(raw)
+        refuse_form_engine_controls(raw, content_type)
         return InferenceRequest("completions", None, 1, None, None, [[]], None, min_tokens=RUNS_TO_BUDGET)
     body = json_object(raw)
     refuse_engine_controls(body)
@@ -72,25 +72,32 @@ def parse_body(kind: BodyKind, raw: bytes) -> InferenceRequest:
     return _score(body)
 
 
-# A multipart form's vllm_xargs field: its part's headers name it (quoted or not), its value follows the blank
-# line that ends them and runs to the CRLF before the next boundary.
-_XARGS_PART = re.compile(rb'name="?vllm_xargs"?[^\r\n]*\r\n(?:[^\r\n]+\r\n)*\r\n(.*?)\r\n--', re.DOTALL | re.IGNORECASE)
+# Charsets in which a form's field names and values are the bytes they read as (starlette decodes the form
+# with the request's charset: in UTF-7 or UTF-16 'vllm_xargs' is other bytes, so a search for it would miss it).
+_PLAIN_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii", "iso-8859-1", "latin-1", "latin1"})
 
 
-def refuse_form_engine_controls(raw: bytes) -> None:
+def refuse_form_engine_controls(raw: bytes, content_type: bytes | None = None) -> None:
     """vLLM's audio requests take ``vllm_xargs`` as a form field holding JSON, and copy it into the request's
-    extra args, where the KV and EC connectors read their transfer parameters: refused as in a JSON body. The
-    audio itself is not parsed; one search of the body for the field's name. A value that is not a JSON
-    object is left to the engine, which refuses it."""
-    if b"vllm_xargs" not in raw:
-        return
-    for match in _XARGS_PART.finditer(raw):
-        try:
-            xargs = orjson.loads(match.group(1))
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(xargs, dict):
-            refuse_engine_controls({"vllm_xargs": xargs})
+    extra args, where the KV and EC connectors read their transfer parameters. kvgate does not parse the form
+    (the audio may be megabytes; a parser that is not vLLM's own would read it differently somewhere): an
+    audio request that names ``vllm_xargs`` anywhere is refused, as is a form in a charset where that name
+    would be other bytes. One linear search of the body."""
+    if content_type is not None:
+        for param in content_type.split(b";")[1:]:
+            key, _, value = param.partition(b"=")
+            charset = value.strip().strip(b'"').decode("latin-1").lower()
+            if key.strip().lower() == b"charset" and charset not in _PLAIN_CHARSETS:
+                raise bad_request(
+                    f"An audio form in charset '{charset}' is not accepted through this gateway: send it in UTF-8.",
+                    param="content-type",
+                )
+    if b"vllm_xargs" in raw:
+        raise bad_request(
+            "'vllm_xargs' is not accepted on the audio routes through this gateway (it can steer the engine's KV "
+            "cache transfers): leave it out.",
+            param="vllm_xargs",
+        )
 
 
 # The fields that make each of vLLM's /invocations request types validate, in the order it tries them

@@ -157,7 +157,8 @@ class RequestPath:
         exchange.body_read(len(raw))
         watch.start()  # from here on, a client that goes away cancels this request wherever it is
         await self.arrivals.turn()  # in a burst, a few per loop iteration: the admitted ones' I/O goes on
-        request = await _parse(body_kind, raw)
+        content_type = _header(scope["headers"], b"content-type") if body_kind == "audio" else None
+        request = await _parse(body_kind, raw, content_type)
         if request.usage_hidden:  # a stream's usage is its exact length: asked for, and kept from the client
             raw = await _off_the_loop_if_large(len(raw), asking_usage, raw, request.stream_options_given)
         if policy.isolate_prefix_cache and body_kind != "audio":
@@ -260,8 +261,8 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-async def _parse(kind: BodyKind, raw: bytes) -> InferenceRequest:
-    return await _off_the_loop_if_large(len(raw), parse_body, kind, raw)
+async def _parse(kind: BodyKind, raw: bytes, content_type: bytes | None = None) -> InferenceRequest:
+    return await _off_the_loop_if_large(len(raw), parse_body, kind, raw, content_type)
 
 
 async def _off_the_loop_if_large(size: int, work: Callable[..., T], *args: Any) -> T:

@@ -328,18 +328,30 @@ def _audio_form(**fields: str) -> bytes:
     """A transcription request as a client library writes it: multipart, the audio file and form fields."""
     import httpx
 
-    files = {"file": ("a.wav", b"RIFF....WAVEfmt vllm_xargs " + bytes(range(256)), "audio/wav")}
+    files = {"file": ("a.wav", b"RIFF....WAVEfmt " + bytes(range(256)), "audio/wav")}
     return httpx.Request("POST", "http://x/v1/audio/transcriptions", data=fields, files=files).read()
 
 
-def test_an_audio_form_cannot_carry_transfer_parameters_in_its_vllm_xargs() -> None:
-    """vLLM copies an audio request's ``vllm_xargs`` form field (JSON) into its extra args, where the KV
-    connectors read their transfer parameters: refused as in a JSON body, whatever the audio holds."""
+def test_an_audio_form_that_names_vllm_xargs_is_refused_whatever_its_layout() -> None:
+    """vLLM copies an audio request's ``vllm_xargs`` form field into its extra args, where the KV connectors
+    read their transfer parameters. kvgate does not parse the form (a parser not vLLM's own reads some layouts
+    differently: spaces around '=', a bare LF in a part header, JSON only the stdlib accepts), so the name
+    anywhere is refused, and a charset in which it would be other bytes too. Linear in the body."""
     assert parse_body("audio", _audio_form(model="w", language="en")).min_tokens > 0
-    assert parse_body("audio", _audio_form(vllm_xargs='{"my_plugin": 1}')).min_tokens > 0
-    assert parse_body("audio", _audio_form(vllm_xargs="not json")).min_tokens > 0  # the engine refuses it
-    for name in ("kv_transfer_params", "ec_transfer_params"):
-        body = _audio_form(model="w", vllm_xargs=orjson.dumps({name: {"remote": "x"}}).decode())
+    for body in (
+        _audio_form(model="w", vllm_xargs=orjson.dumps({"kv_transfer_params": {"remote": "x"}}).decode()),
+        _audio_form(vllm_xargs='{"my_plugin": 1}'),
+        _audio_form(vllm_xargs="not json"),
+        b'--b\r\nContent-Disposition: form-data; name = "vllm_xargs"\r\nX-Pad: a\nb\r\n\r\n{"x": NaN}\r\n--b--\r\n',
+    ):
         with pytest.raises(GatewayError) as err:
             parse_body("audio", body)
-        assert err.value.status == 400 and err.value.param == f"vllm_xargs.{name}"
+        assert err.value.status == 400 and err.value.param == "vllm_xargs"
+    form = _audio_form(model="w")
+    for charset in (b"utf-7", b'"UTF-16"', b"cp500"):
+        with pytest.raises(GatewayError) as err:
+            parse_body("audio", form, b"multipart/form-data; boundary=x; charset=" + charset)
+        assert err.value.param == "content-type"
+    assert parse_body("audio", form, b"multipart/form-data; boundary=x; charset=UTF-8").min_tokens > 0
+    # 7 MB that almost names it at every turn: one pass (a backtracking search of such a body took hours)
+    assert parse_body("audio", b"name=vllm_xarg\r\n\r\n" * 400_000).min_tokens > 0
