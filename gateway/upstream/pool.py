@@ -86,6 +86,7 @@ class EnginePool:
         self._running = False
         self._discovery: asyncio.Task[None] | None = None
         self._turn = itertools.count()
+        self._model = ModelInfo()  # worked out when an engine comes, goes or says what it serves (_model_changed)
 
     # --- membership ---------------------------------------------------------------------------------
 
@@ -118,6 +119,7 @@ class EnginePool:
             )
             engine.scraper.subscribe(self.admitter.feed(url))
         self.engines[url] = engine
+        self._model_changed()
         self.admitter.controller.add_engine(url)
         if self._running and engine.task is None:
             engine.task = asyncio.create_task(engine.scraper.run(), name=f"kvgate-scraper {url}")
@@ -131,6 +133,7 @@ class EnginePool:
         if engine is None:
             return
         self._retired[url] = engine  # first: requests placed there still find its client
+        self._model_changed()
         self.admitter.controller.remove_engine(url)
         self.admitter.pump()
         if engine.task is not None:
@@ -150,6 +153,7 @@ class EnginePool:
             await self._retired.pop(url).forwarder.close()
 
     async def _model_seen(self, model: ModelInfo) -> None:
+        self._model_changed()
         if self.on_model is not None and self.model.id == model.id:
             await self.on_model(model)
 
@@ -186,19 +190,24 @@ class EnginePool:
 
     @property
     def model(self) -> ModelInfo:
-        """What the engines serve (one model per pool), as the first engine that answered /v1/models says, with
-        the smallest ``max_model_len`` any of them reports: mid-way through a rolling update that changes
-        ``--max-model-len`` a request within it fits whichever engine it is placed on."""
-        if len(self.engines) == 1:
-            return next(iter(self.engines.values())).scraper.model
+        """What the engines serve (one model per pool): see :meth:`_model_changed`. Read several times per
+        request, worked out only when the pool or an engine's answer to /v1/models changes."""
+        return self._model
+
+    def _model_changed(self) -> None:
+        """The first engine's answer to /v1/models, with the smallest ``max_model_len`` any of them reports:
+        mid-way through a rolling update that changes ``--max-model-len`` a request within it fits whichever
+        engine it is placed on."""
         known = [e.scraper.model for e in self.engines.values() if e.scraper.model.id is not None]
         if not known:
-            return ModelInfo()
+            self._model = ModelInfo()
+            return
         first = known[0]
         shortest = min((m.max_model_len for m in known if m.max_model_len), default=None)
         if shortest is None or shortest == first.max_model_len:
-            return first
-        return ModelInfo(first.id, shortest, first.root, first.names)
+            self._model = first
+        else:
+            self._model = ModelInfo(first.id, shortest, first.root, first.names)
 
     def age(self) -> float:
         """Age of the freshest sample of any engine."""

@@ -100,7 +100,7 @@ async def test_a_refused_discovery_is_logged_once_per_status(
     assert "HTTP 503" in warnings[1] and "upstream.api_key" not in warnings[1]
 
 
-def test_a_pool_mid_way_through_a_max_model_len_change_admits_what_fits_every_engine() -> None:
+async def test_a_pool_mid_way_through_a_max_model_len_change_admits_what_fits_every_engine() -> None:
     """Engines that say different context lengths (a rolling update of ``--max-model-len``): the pool's is the
     shortest, so no request is priced for a context the engine it lands on would refuse."""
     config = GatewayConfig()
@@ -108,9 +108,16 @@ def test_a_pool_mid_way_through_a_max_model_len_change_admits_what_fits_every_en
     pool = EnginePool(config, admitter, GatewayMetrics(), UpstreamSession(4))
     a, b = pool.add("http://a"), pool.add("http://b")
     assert pool.model == ModelInfo()
-    b.scraper.model = ModelInfo("m", 8192, "/models/m", ("m",))
+
+    async def answers(engine, model: ModelInfo) -> None:  # type: ignore[no-untyped-def]
+        engine.scraper.model = model  # as the scraper does on each answer to /v1/models, then tells the pool
+        await pool._model_seen(model)
+
+    await answers(b, ModelInfo("m", 8192, "/models/m", ("m",)))
     assert pool.model == ModelInfo("m", 8192, "/models/m", ("m",))
-    a.scraper.model = ModelInfo("m", 4096, "/models/m", ("m",))
+    await answers(a, ModelInfo("m", 4096, "/models/m", ("m",)))
     assert pool.model == ModelInfo("m", 4096, "/models/m", ("m",))
-    a.scraper.model = ModelInfo("m", 16384, "/models/m", ("m",))
+    await answers(a, ModelInfo("m", 16384, "/models/m", ("m",)))
     assert pool.model.max_model_len == 8192
+    await pool.remove("http://b")  # the shorter one leaves: the pool's is the one left
+    assert pool.model.max_model_len == 16384
