@@ -556,14 +556,18 @@ class AdmissionController:
     def answer_s(self, cost: RequestCost, key: tuple[str, ...]) -> float:
         """Seconds a request like this one is expected to take once admitted, to its answer's end: its output
         (its budget, if it runs to it, as with ignore_eos; else the median output length of its key, never
-        past its budget nor short of its floor) at the latest answers' pace; 0 while either is unknown, or when
-        most of its key's requests ran past anything seen to end (see :mod:`gateway.admission.service_time`)."""
+        past its budget nor short of its floor) at the latest answers' pace; 0 while either is unknown. When
+        most of its key's requests ran past anything seen to end (their ``max_tokens`` stopped them), the median
+        of what they had produced by then stands in: less than the truth, never more (see
+        :mod:`gateway.admission.service_time`)."""
         if cost.num_sequences > 1 or cost.max_output == 0:
             return 0.0
         if cost.min_output >= cost.max_output:
             return self.pace.answer_s(cost.max_output)
         median = self.lengths.quantile(key, 0.5)
-        if median is None or median == BEYOND:
+        if median == BEYOND:
+            median = self.lengths.at_least(key, 0.5)
+        if median is None:
             return 0.0
         return self.pace.answer_s(min(cost.max_output, max(cost.min_output, median)))
 

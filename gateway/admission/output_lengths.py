@@ -96,6 +96,16 @@ class _Window:
             i += ends_here
         return BEYOND
 
+    def observed_quantile(self, q: float, min_samples: int) -> int | None:
+        """The ``q`` quantile of every length above 0 seen, a stopped one at what it had produced: each true
+        length is at least that, so this errs short (and is what is known of a key whose answers mostly run to a
+        cap). None: fewer than ``min_samples`` of them."""
+        values = sorted(self._sorted[bisect.bisect_right(self._sorted, 0) :] + self.stopped)
+        values = values[bisect.bisect_right(values, 0) :]
+        if len(values) < min_samples:
+            return None
+        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
 
 class OutputLengths:
     def __init__(self, *, window: int = 512, min_samples: int = 32, max_keys: int = 1024) -> None:
@@ -167,6 +177,24 @@ class OutputLengths:
                     self._cached.clear()
                 self._cached[sub, q, above] = value
             if value is not None:
+                return value
+        return None
+
+    def at_least(self, key: Key, q: float) -> int | None:
+        """What :meth:`quantile` is when it says :data:`BEYOND`, short: the ``q`` quantile of what requests
+        like this one produced, the stopped ones counted at what they had produced when stopped (see
+        :meth:`_Window.observed_quantile`), from the most specific key that knows enough; None when none does.
+        Cached as :meth:`quantile`'s answers are."""
+        for depth in range(len(key), -1, -1):
+            sub = key[:depth]
+            window = self._windows.get(sub)
+            if window is None:
+                continue
+            if (sub, q, -1) not in self._cached:
+                if len(self._cached) >= MAX_CACHED:
+                    self._cached.clear()
+                self._cached[sub, q, -1] = window.observed_quantile(q, self.min_samples)
+            if (value := self._cached[sub, q, -1]) is not None:
                 return value
         return None
 

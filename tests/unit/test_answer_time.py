@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.admission.controller import AdmissionController, Admitted, Rejected, UsageSample
+from gateway.admission.output_lengths import BEYOND, OutputLengths
 from gateway.admission.service_time import MIN_SAMPLES, MIN_TOKENS, ServicePace
 from gateway.config import AdmissionConfig
 from gateway.protocol.bodies import parse_body
@@ -83,13 +84,40 @@ def test_an_answer_takes_its_keys_median_length_at_the_latest_pace_within_its_ow
     assert c.answer_s(RequestCost((16,), 2, 1000, 140), KEY) == 0.0  # n=2: its longest sequence is unknown
 
 
-def test_a_length_nobody_has_seen_the_end_of_takes_nothing_off() -> None:
-    """Most answers of the key ran into their budget: where they would have ended is unknown, so the time its
-    answer takes is too (not its whole budget, the rest of a context for a chat without max_tokens)."""
+def test_a_key_whose_answers_run_to_their_budget_takes_at_least_what_they_produced() -> None:
+    """Most answers of the key ran into their budget: where they would have ended is unknown, but not that they
+    produced that much. The time its answer takes is that length's (less than the truth, never more), not
+    nothing (a client of max_tokens that its answers always reach would be queued into its read timeout and
+    send its request again), nor its whole budget (the rest of a context, for a chat without max_tokens)."""
     c = controller()
     learned(c, 40, 200, 10.0, budget=200)  # each stopped by its max_tokens: learned as longer than that
     assert len(c.pace) == 40
-    assert c.answer_s(RequestCost((16,), 1, 30_000, 1900), KEY) == 0.0
+    assert c.lengths.quantile(KEY, 0.5) == BEYOND
+    assert c.answer_s(RequestCost((16,), 1, 200, 70), KEY) == 10.0  # the same cap: what they all took
+    assert c.answer_s(RequestCost((16,), 1, 30_000, 1900), KEY) == 10.0  # no cap: at least that much
+    assert c.answer_s(RequestCost((16,), 1, 50, 5), KEY) == 2.5  # a smaller cap still ends it sooner
+    learned(c, 50, 20, 10.0, budget=1000)  # then most ended on their own, short: the median is theirs again
+    assert c.lengths.quantile(KEY, 0.5) == 20
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 3000), st.booleans()), min_size=32, max_size=300),
+    st.floats(0.01, 0.99),
+)
+def test_what_a_key_produced_errs_short_of_its_lengths(observed: list[tuple[int, bool]], q: float) -> None:
+    """The stand-in for a quantile past every length seen to end is the quantile of the same lengths with every
+    stopped one ended where it stopped (the least it could be): never above the censored estimate."""
+    lengths = OutputLengths(min_samples=32)
+    for tokens, ended in observed:
+        lengths.observe(KEY, tokens, ended=ended)
+    everything_ended = OutputLengths(min_samples=32)
+    for tokens, _ in observed:
+        everything_ended.observe(KEY, tokens)
+    short = lengths.at_least(KEY, q)
+    assert short == everything_ended.quantile(KEY, q)
+    assert short is None or short <= max(tokens for tokens, _ in observed)
+    censored = lengths.quantile(KEY, q)  # Kaplan-Meier: the stopped ones only known to end later
+    assert short is None or censored is None or short <= censored
 
 
 def test_a_stopped_answer_teaches_no_pace() -> None:
