@@ -34,6 +34,7 @@ byte-level BPE or byte-fallback tokenizer exceeds on text. Memory is bounded: ``
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -115,11 +116,13 @@ RESERVE_REFRESH = 128  # observations between two computations of a key's byte-w
 
 class _Window:
     """The last ``size`` ratios, in arrival order (to evict, with their prompts' sizes) and sorted (to answer
-    by rank); and the reserve ratio last computed from them."""
+    by rank, with each one's prompt size alongside: the byte-weighted reserve); and the reserve ratio last
+    computed from them."""
 
     def __init__(self, size: int) -> None:
         self.order: deque[tuple[float, int]] = deque()  # (ratio, prompt bytes)
         self.sorted: list[float] = []
+        self.sorted_bytes: list[int] = []  # the prompt bytes of each ratio in ``sorted``, in its place
         self._size = size
         self.reserve: tuple[float, float] | None = None  # (quantile, byte-weighted ratio at it)
         self.added_since_reserve = 0
@@ -127,26 +130,25 @@ class _Window:
 
     def add(self, value: float, size: int) -> None:
         if len(self.order) == self._size:
-            del self.sorted[bisect.bisect_left(self.sorted, self.order.popleft()[0])]
+            old, old_size = self.order.popleft()
+            lo = bisect.bisect_left(self.sorted, old)
+            at = self.sorted_bytes.index(old_size, lo, bisect.bisect_right(self.sorted, old, lo))
+            del self.sorted[at], self.sorted_bytes[at]
         self.order.append((value, size))
-        bisect.insort(self.sorted, value)
+        at = bisect.bisect_right(self.sorted, value)
+        self.sorted.insert(at, value)
+        self.sorted_bytes.insert(at, size)
         self.added_since_reserve += 1
         self.ratios = None
 
     def byte_weighted(self, quantile: float) -> float:
         """The ratio below which ``quantile`` of the window's prompt *bytes* lie: what the pool fills with is
         tokens, so a kind of prompt that is both long and dense weighs as much as it fills. Recomputed every
-        ``RESERVE_REFRESH`` observations (a sort of the window), cached in between."""
+        ``RESERVE_REFRESH`` observations, cached in between."""
         if self.reserve is None or self.reserve[0] != quantile or self.added_since_reserve >= RESERVE_REFRESH:
-            pairs = sorted(self.order)
-            target = quantile * sum(size for _, size in pairs)
-            running, ratio = 0, pairs[-1][0]
-            for value, size in pairs:
-                running += size
-                if running >= target:
-                    ratio = value
-                    break
-            self.reserve = (quantile, ratio)
+            running = list(itertools.accumulate(self.sorted_bytes))
+            at = bisect.bisect_left(running, quantile * running[-1])
+            self.reserve = (quantile, self.sorted[min(at, len(running) - 1)])
             self.added_since_reserve = 0
         return self.reserve[1]
 

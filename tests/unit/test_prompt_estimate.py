@@ -17,6 +17,7 @@ from gateway.protocol.requests import InferenceRequest, parse_request
 from gateway.tokens.prompt_estimate import (
     CHAT_OVERHEAD_BYTES,
     PROMPT_OVERHEAD_BYTES,
+    RESERVE_REFRESH,
     EstimateErrors,
     Prior,
     PromptLengths,
@@ -243,6 +244,30 @@ def test_memory_is_bounded_in_keys_and_samples(observations: list[tuple[int, int
         if key in model:
             ranked = sorted(model[key])
             assert lengths.ratios(key)[1] == ranked[len(ranked) // 2]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from((1, 2, 3, 5)), st.sampled_from((10, 20, 40, 400))), min_size=1, max_size=80),
+    st.floats(0.01, 1.0),
+)
+def test_the_byte_weighted_reserve_is_the_ratio_where_the_windows_bytes_reach_the_quantile(
+    observations: list[tuple[int, int]], quantile: float
+) -> None:
+    """Against a model (the window's (ratio, bytes) pairs sorted, summed until ``quantile`` of the bytes), with
+    many equal ratios of other sizes coming and going: each ratio keeps its own prompt's bytes."""
+    lengths = PromptLengths(window=7, min_samples=1)
+    model: deque[tuple[float, int]] = deque(maxlen=7)
+    for tokens, size in observations:
+        lengths.observe(KEY, size, tokens * size // 10)
+        model.append((tokens * size // 10 / size, size))
+        window = lengths._keys[KEY]
+        window.added_since_reserve = RESERVE_REFRESH  # recompute now, not on its schedule
+        pairs = sorted(model)
+        total, running = sum(size for _, size in pairs), 0
+        expected = next(r for r, size in pairs if (running := running + size) >= quantile * total)
+        assert window.byte_weighted(quantile) == expected
+        assert window.sorted == sorted(r for r, _ in model)
 
 
 # --- the estimate's error, for export ------------------------------------------------------------------
