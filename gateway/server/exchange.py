@@ -83,6 +83,8 @@ class Exchange:
     async def charge_rate_limits(self, tenant: TenantPolicy, cost: RequestCost, key: tuple[str, ...] = ()) -> None:
         """Pre-charge the tenant's per-minute limits with prompt + reserved output (429 over a limit)."""
         self.tenant, self.cost, self.key = tenant, cost, key
+        if self.client.read_timeout and self.whole_answer:  # see wait_budget_s
+            self.answer_s = self._admitter.answer_s(cost, key)
         self.charge = await self._counters.check(tenant, cost.charge_tokens)
 
     async def take_slot(self) -> None:
@@ -150,9 +152,8 @@ class Exchange:
         one piece as a whole: the time the engine will then take to answer is not for waiting (admitted later,
         it would time out mid-generation, and the SDK would send it again)."""
         client_s = self.client.wait_s
-        if client_s is not None and self.client.read_timeout and self.whole_answer and self.cost is not None:
-            self.answer_s = self._admitter.answer_s(self.cost, self.key)
-            client_s = max(0.0, client_s - self.answer_s)
+        if client_s is not None:
+            client_s = max(0.0, client_s - self.answer_s)  # answer_s: worked out with the cost, 0 but for those
         return self._tenant().wait_budget(client_s)
 
     def sending(self) -> None:
