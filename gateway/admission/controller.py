@@ -557,9 +557,9 @@ class AdmissionController:
         """Seconds a request like this one is expected to take once admitted, to its answer's end: its output
         (its budget, if it runs to it, as with ignore_eos; else the median output length of its key, never
         past its budget nor short of its floor) at the latest answers' pace; 0 while either is unknown. When
-        most of its key's requests ran past anything seen to end (their ``max_tokens`` stopped them), the median
-        of what they had produced by then stands in: less than the truth, never more (see
-        :mod:`gateway.admission.service_time`)."""
+        the median lies past anything seen to end (most of its key's requests were stopped, by their
+        ``max_tokens`` as a rule, or are still running), the median of what they had produced stands in: short
+        of their median, never past it (see :mod:`gateway.admission.service_time`)."""
         if cost.num_sequences > 1 or cost.max_output == 0:
             return 0.0
         if cost.min_output >= cost.max_output:

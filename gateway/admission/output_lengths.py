@@ -69,7 +69,7 @@ class _Window:
         n = len(self._sorted) - start
         if n < min_samples:
             return None
-        return self._sorted[start + min(n - 1, math.ceil(q * n) - 1 if q > 0 else 0)]
+        return self._sorted[start + min(n - 1, math.ceil(q * n - 1e-9) - 1 if q > 0 else 0)]
 
     def censored_quantile(self, q: float, above: int, min_samples: int, running: list[int]) -> int | None:
         """The Kaplan-Meier ``q`` quantile of the lengths greater than ``above``, when ``running`` (sorted) are
@@ -104,7 +104,7 @@ class _Window:
         values = values[bisect.bisect_right(values, 0) :]
         if len(values) < min_samples:
             return None
-        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+        return values[min(len(values) - 1, max(0, math.ceil(q * len(values) - 1e-9) - 1))]  # as censored_quantile's
 
 
 class OutputLengths:
@@ -183,8 +183,9 @@ class OutputLengths:
     def at_least(self, key: Key, q: float) -> int | None:
         """What :meth:`quantile` is when it says :data:`BEYOND`, short: the ``q`` quantile of what requests
         like this one produced, the stopped ones counted at what they had produced when stopped (see
-        :meth:`_Window.observed_quantile`), from the most specific key that knows enough; None when none does.
-        Cached as :meth:`quantile`'s answers are."""
+        :meth:`_Window.observed_quantile`), from the most specific key that knows enough (the one
+        :meth:`quantile` answered from: a new tenant's are its model and route's); None when none does. Kept,
+        like the censored quantiles, until the next in-flight set."""
         for depth in range(len(key), -1, -1):
             sub = key[:depth]
             window = self._windows.get(sub)

@@ -4,7 +4,7 @@ under a read timeout (the OpenAI SDKs) for waiting in the queue."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from gateway.admission.controller import AdmissionController, Admitted, Rejected, UsageSample
@@ -90,11 +90,12 @@ def test_a_key_whose_answers_run_to_their_budget_takes_at_least_what_they_produc
     nothing (a client of max_tokens that its answers always reach would be queued into its read timeout and
     send its request again), nor its whole budget (the rest of a context, for a chat without max_tokens)."""
     c = controller()
-    learned(c, 40, 200, 10.0, budget=200)  # each stopped by its max_tokens: learned as longer than that
+    for cap, answers in ((100, 14), (200, 13), (300, 13)):  # each stopped by its max_tokens: longer than that
+        learned(c, answers, cap, cap * 0.05, budget=cap)  # 0.05 s per token
     assert len(c.pace) == 40
     assert c.lengths.quantile(KEY, 0.5) == BEYOND
-    assert c.answer_s(RequestCost((16,), 1, 200, 70), KEY) == 10.0  # the same cap: what they all took
-    assert c.answer_s(RequestCost((16,), 1, 30_000, 1900), KEY) == 10.0  # no cap: at least that much
+    assert c.answer_s(RequestCost((16,), 1, 30_000, 1900), KEY) == 10.0  # no cap: the median, 200, at least
+    assert c.answer_s(RequestCost((16,), 1, 200, 70), KEY) == 10.0
     assert c.answer_s(RequestCost((16,), 1, 50, 5), KEY) == 2.5  # a smaller cap still ends it sooner
     learned(c, 50, 20, 10.0, budget=1000)  # then most ended on their own, short: the median is theirs again
     assert c.lengths.quantile(KEY, 0.5) == 20
@@ -104,6 +105,7 @@ def test_a_key_whose_answers_run_to_their_budget_takes_at_least_what_they_produc
     st.lists(st.tuples(st.integers(0, 3000), st.booleans()), min_size=32, max_size=300),
     st.floats(0.01, 0.99),
 )
+@example([(n, True) for n in range(1, 35)] + [(3000, False)], 29 / 35)  # q * n lands a hair above 29
 def test_what_a_key_produced_errs_short_of_its_lengths(observed: list[tuple[int, bool]], q: float) -> None:
     """The stand-in for a quantile past every length seen to end is the quantile of the same lengths with every
     stopped one ended where it stopped (the least it could be): never above the censored estimate."""

@@ -267,7 +267,8 @@ def test_the_byte_weighted_reserve_is_the_ratio_where_the_windows_bytes_reach_th
         total, running = sum(size for _, size in pairs), 0
         expected = next(r for r, size in pairs if (running := running + size) >= quantile * total)
         assert window.byte_weighted(quantile) == expected
-        assert window.sorted == sorted(r for r, _ in model)
+        assert window.sorted == [r for r, _ in pairs]
+        assert sorted(zip(window.sorted, window.sorted_bytes, strict=True)) == pairs  # each ratio with its bytes
 
 
 # --- the estimate's error, for export ------------------------------------------------------------------
