@@ -78,6 +78,10 @@ class _StopParsing(Exception):
     """Raised inside a parser callback to stop reading requests from the connection (not an error)."""
 
 
+class _HeadTooLarge(Exception):
+    """Raised inside a parser callback when a request head passes ``MAX_STALL_BYTES``: ``431`` and close."""
+
+
 class HttpProtocol(asyncio.Protocol):
     """One client connection. See the module docstring; deadlines are class attributes, set by
     :func:`configured_protocol`, since uvicorn builds one protocol per connection from the class alone."""
@@ -104,6 +108,7 @@ class HttpProtocol(asyncio.Protocol):
         "_progress_at",
         "_refusal",
         "_stall_bytes",
+        "_head_bytes",
         "_stopped",
         "_timer",
         "_timer_at",
@@ -155,6 +160,7 @@ class HttpProtocol(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._expect_continue = False
         self._stall_bytes = 0  # bytes received since the last progress (a complete head, a piece of body)
+        self._head_bytes = 0  # of the request head being parsed, counted by the parser's callbacks
         self._last_read = 0.0  # loop time of the latest read
         self._progress_at = 0.0  # loop time of the latest progress of the body being received
         self._head_deadline = 0.0
@@ -214,6 +220,8 @@ class HttpProtocol(asyncio.Protocol):
             cause = exc.__context__
             if isinstance(cause, _StopParsing):
                 self._stop_reading_requests()
+            elif isinstance(cause, _HeadTooLarge):
+                self._refuse(431, "request head too large")
             else:
                 if cause is not None and not isinstance(cause, httptools.HttpParserError):
                     log.error("a parser callback failed", exc_info=cause)  # a bug, not the client's fault
@@ -316,16 +324,23 @@ class HttpProtocol(asyncio.Protocol):
         self._headers = []
         self._expect_continue = False
         self._in_head = True
+        self._head_bytes = 0  # a head that arrives in one read makes no stall: its size is counted here
         if self._body_cycle is not None:  # a later request: its head clock starts at its first byte
             self._head_deadline = self._last_read + self.header_timeout_s
             self._arm(self._head_deadline)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._head_bytes += len(url)
+        if self._head_bytes > MAX_STALL_BYTES:
+            raise _HeadTooLarge
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._in_head:
             return  # a trailer (after a chunked body): not read
+        self._head_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if self._head_bytes > MAX_STALL_BYTES:  # inline: a call per header costs on the hot path
+            raise _HeadTooLarge
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
