@@ -71,6 +71,17 @@ def context_length_exceeded(message: str) -> GatewayError:
     return GatewayError(400, message, param="messages", code="context_length_exceeded")
 
 
+def request_too_large(tokens: int, tokens_per_minute: int) -> GatewayError:
+    """A request whose tokens alone are more than its key may use in a minute: no retry can help (a 429 would be
+    retried by the SDKs)."""
+    return GatewayError(
+        400,
+        f"This request takes at least {tokens} tokens (its prompt and the output it must produce), more than the "
+        f"{tokens_per_minute} tokens per minute this key may use: it can never be admitted. Send a shorter request.",
+        code="request_too_large",
+    )
+
+
 def payload_too_large(limit: int) -> GatewayError:
     return GatewayError(413, f"Request body exceeds the limit of {limit} bytes.", code="payload_too_large")
 

@@ -95,6 +95,19 @@ class RateLimits:
         return RateLimits(_share(self.requests_per_minute, divisor), _share(self.tokens_per_minute, divisor))
 
 
+def token_charge(full: int, least: int, rates: RateLimits) -> int | None:
+    """What a request pre-charges against ``rates``' tokens per minute: ``full`` (its prompt and its whole
+    output budget) when one minute's allowance holds it; else that allowance, so long as ``least`` (what it
+    takes whatever it generates) fits in it. A chat without max_tokens has the rest of the context as its budget,
+    more than many a tenant's minute: it waits for a whole minute's allowance rather than never being let in,
+    and settling refunds what it did not use (and bills no more than was charged). None: even ``least`` is more
+    than a minute's allowance, so no wait would ever let it in."""
+    limit = rates.tokens_per_minute
+    if not limit or full <= limit:
+        return full
+    return limit if least <= limit else None
+
+
 def _share(limit: int | None, divisor: int) -> int | None:
     return None if limit is None else max(1, math.ceil(limit / divisor))
 

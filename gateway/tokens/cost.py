@@ -64,6 +64,14 @@ class RequestCost:
         return (sum(self.prompt_high) + sum(self.output_budgets)) * self.sequences_per_prompt
 
     @property
+    def least_charge_tokens(self) -> int:
+        """The part of :attr:`charge_tokens` a request takes whatever it generates: its prompts (their high end
+        when estimated) and the output it must produce (``min_tokens``; all of its budget under ignore_eos)."""
+        prompts = self.prompt_high if self.prompt_high is not None else self.prompt_tokens
+        least = sum(min(self.min_output, budget) for budget in self.output_budgets)
+        return (sum(prompts) + least) * self.sequences_per_prompt
+
+    @property
     def num_sequences(self) -> int:
         return len(self.prompt_tokens) * self.sequences_per_prompt
 

@@ -249,6 +249,30 @@ def test_sdk_backs_off_on_429_retry_after(mini_vllm: Callable[..., str], gateway
     assert_ledger_empty(gw)
 
 
+def test_a_budget_larger_than_the_tenants_minute_waits_for_a_whole_minute_and_a_prompt_larger_is_refused(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str]
+) -> None:
+    """1,000 tokens per minute, a 4,096-token context. A chat without max_tokens may generate the rest of the
+    context: it pre-charges the minute's whole allowance (it was a 429 on every try, with a Retry-After no wait
+    could honour); a prompt larger than the allowance can never be let in: a 400, which the SDKs do not retry."""
+    gw = gateway(
+        mini_vllm(),
+        {"tokenizer": "heuristic", "tenants": [{"name": "a", "api_keys": ["key-a"], "tokens_per_minute": 1000}]},
+    )
+    key = {"authorization": "Bearer key-a"}
+    chat = {"model": "mini", "messages": [{"role": "user", "content": "hi"}]}
+    served = httpx.post(gw + "/v1/chat/completions", json=chat, headers=key, timeout=60)
+    assert served.status_code == 200, served.text
+    assert served.json()["usage"]["completion_tokens"] > 1000  # more than it was charged: billed the charge
+    assert served.headers["x-ratelimit-remaining-tokens"] == "0"
+    spent = httpx.post(gw + "/v1/chat/completions", json=chat, headers=key)
+    assert spent.status_code == 429 and 50 <= int(spent.headers["retry-after"]) <= 61  # a minute to refill
+    too_large = httpx.post(gw + "/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1}, headers=key)
+    assert too_large.status_code == 400 and "retry-after" not in too_large.headers
+    assert too_large.json()["error"]["code"] == "request_too_large"
+    assert_ledger_empty(gw)
+
+
 def test_engine_busy_in_both_forms_becomes_503_with_retry_after(
     mini_vllm: Callable[..., str], gateway: Callable[..., str]
 ) -> None:

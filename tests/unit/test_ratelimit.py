@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from gateway.config import AuthConfig, TenantConfig
 from gateway.protocol.errors import GatewayError
 from gateway.tenants.auth import TenantDirectory, key_digest
-from gateway.tenants.ratelimit import RateLimiter, RateLimits, TokenBucket, ratelimit_headers
+from gateway.tenants.ratelimit import RateLimiter, RateLimits, TokenBucket, ratelimit_headers, token_charge
+from gateway.tokens.cost import RequestCost
 
 
 def test_requests_per_minute() -> None:
@@ -78,3 +79,26 @@ def test_auth_required() -> None:
     with pytest.raises(GatewayError) as err:
         d.authenticate(None)
     assert err.value.status == 401 and err.value.code == "missing_api_key"
+
+
+@given(st.integers(0, 10**6), st.integers(0, 10**6), st.one_of(st.none(), st.integers(1, 10**6)))
+def test_a_charge_is_the_whole_budget_or_a_minutes_allowance_never_more(full: int, least: int, tpm: int | None) -> None:
+    """What fits in a minute is charged whole; what does not is charged the minute (a budget it may not use),
+    unless even what it takes whatever it generates does not fit: then nothing, it can never be let in."""
+    least = min(least, full)
+    charge = token_charge(full, least, RateLimits(tokens_per_minute=tpm))
+    if tpm is None or full <= tpm:
+        assert charge == full
+    elif least <= tpm:
+        assert charge == tpm
+    else:
+        assert charge is None
+
+
+def test_what_a_request_takes_whatever_it_generates() -> None:
+    """Its prompts at their high end when estimated, and the output it must produce: min_tokens, or all of its
+    budget under ignore_eos (a floor past the budget), per sequence."""
+    assert RequestCost((100,), 1, 4000, 0).least_charge_tokens == 100
+    assert RequestCost((100,), 1, 4000, 0, min_output=50).least_charge_tokens == 150
+    assert RequestCost((100,), 1, 300, 0, min_output=2**31 - 1).least_charge_tokens == 400
+    assert RequestCost((100, 20), 2, 300, 0, min_output=10, prompt_high=(120, 30)).least_charge_tokens == 340
