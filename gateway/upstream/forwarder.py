@@ -107,6 +107,18 @@ def relayed_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, byt
     return [(k.lower(), v) for k, v in headers if (n := k.lower()) not in _NOT_RELAYED_DOWN and n not in named]
 
 
+def retry_after_of(headers: list[tuple[bytes, bytes]]) -> float:
+    """An engine's (or its ingress's) refusal is passed on with its own Retry-After in seconds, within 1 to 60;
+    without one (vLLM sends none), ``BUSY_RETRY_AFTER_S``."""
+    for name, value in headers:
+        if name.lower() == b"retry-after":
+            try:
+                return min(60.0, max(1.0, float(value)))
+            except ValueError:  # an HTTP date: not worth a clock of the engine's to read
+                break
+    return BUSY_RETRY_AFTER_S
+
+
 def is_engine_busy(body: bytes) -> bool:
     """vLLM's admission rejection: ``{"error": {..., "code": 503}}`` or a top-level 503 code."""
     try:
@@ -262,9 +274,9 @@ class Forwarder:
                     return await self._relay_stream(resp, writer, extra_headers, on_progress, started, hidden)
                 payload = await resp.read()
                 self.metrics.ttft.observe(time.perf_counter() - started)
-                if resp.status == 503 and is_engine_busy(payload):
+                if resp.status in (429, 503):  # vLLM's busy answer, or a proxy's in front of it: retry later
                     self.metrics.upstream_busy.labels("status").inc()
-                    raise engine_busy(BUSY_RETRY_AFTER_S)
+                    raise engine_busy(retry_after_of(resp.headers))
                 await writer.start(resp.status, [*relayed_headers(resp.headers), *extra_headers, _length(payload)])
                 await writer.body(payload)
                 self.metrics.latency.observe(time.perf_counter() - started)

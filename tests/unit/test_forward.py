@@ -123,6 +123,39 @@ async def test_unreachable_engine_is_503_with_retry_after() -> None:
     assert str(port) not in err.value.message  # the engine's address is kvgate's to log, not the client's to see
 
 
+@pytest.mark.parametrize(
+    ("head", "retry_after_s"),
+    [
+        (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\n", 1.0),  # no JSON, no Retry-After
+        (b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 7\r\n", 7.0),
+        (b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 86400\r\n", 60.0),  # not longer than a minute
+        (b"HTTP/1.1 429 Too Many Requests\r\nretry-after: Wed, 21 Oct 2026 07:28:00 GMT\r\n", 1.0),
+    ],
+)
+async def test_an_engine_or_ingress_refusal_is_told_in_openais_shape_with_a_retry_after(
+    head: bytes, retry_after_s: float
+) -> None:
+    """Not only vLLM's own busy answer: a 429 or 503 from whatever sits in front of the engine is a refusal to
+    retry later, with a Retry-After (the SDKs honour it), not a body in another shape relayed as it came."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(head + b"content-length: 4\r\n\r\nbusy")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    metrics = GatewayMetrics()
+    forwarder = Forwarder(f"http://127.0.0.1:{port}", metrics, timeout_s=5, connect_timeout_s=1)
+    with pytest.raises(GatewayError) as err:
+        await call(forwarder)
+    await forwarder.close()
+    server.close()
+    assert err.value.status == 503 and err.value.code == "engine_busy"
+    assert err.value.retry_after_s == retry_after_s
+
+
 def test_only_headers_the_engine_needs_are_forwarded() -> None:
     """An allow-list: headers vLLM would act on past kvgate's decisions (a data-parallel rank, an adapter that
     rewrites the model, the client's own request id) never reach it; the client's key does only when kvgate
