@@ -13,6 +13,8 @@ import asyncio
 import http
 from typing import Any, Protocol
 
+from gateway.protocol.errors import GatewayError
+
 _DISCONNECT: dict[str, Any] = {"type": "http.disconnect"}
 
 
@@ -27,16 +29,30 @@ def _status_line(status: int) -> bytes:
 STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
 
 
+# what the server itself answers (the app never saw the request), in OpenAI's shape as every error is
+_SERVER_ERRORS: dict[int, tuple[str, str, str, float | None]] = {  # message, type, code, Retry-After
+    400: ("The request could not be read as HTTP/1.1.", "invalid_request_error", "bad_http_request", None),
+    408: ("The request did not arrive in time.", "invalid_request_error", "request_timeout", None),
+    431: ("The request head is too large.", "invalid_request_error", "request_head_too_large", None),
+    500: ("The gateway failed to answer the request.", "server_error", "internal_error", None),
+    503: ("The gateway holds as many connections as it may.", "service_unavailable", "too_many_connections", 1.0),
+}
+
+
 def plain_response(status: int, server_headers: bytes = b"") -> bytes:
-    """A whole ``text/plain`` response, its status's phrase, that closes the connection: what the server itself
-    answers (400, 408, 431, 500, 503)."""
-    text = http.HTTPStatus(status).phrase.encode()
+    """A whole response from the server itself (400, 408, 431, 500, 503), OpenAI-shaped, that closes the
+    connection."""
+    message, kind, code, retry_after_s = _SERVER_ERRORS.get(status, (http.HTTPStatus(status).phrase, "", "", None))
+    error = GatewayError(status, message, type=kind or "server_error", code=code or None, retry_after_s=retry_after_s)
+    body = error.body()
+    headers = b"".join(b"%s: %s\r\n" % pair for pair in error.headers())
     return b"".join(
         [
             STATUS_LINE[status],
             server_headers,
-            b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(text),
-            text,
+            headers,
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body),
+            body,
         ]
     )
 

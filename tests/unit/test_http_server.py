@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import orjson
 import pytest
 from uvicorn.config import Config
 from uvicorn.server import ServerState
@@ -236,6 +237,9 @@ async def test_invalid_request_gets_400_and_close(echo_server: Served) -> None:
     raw = await reader.read()
     assert raw.startswith(b"HTTP/1.1 400 ")
     assert echo_server.scopes == []
+    head, _, body = raw.partition(b"\r\n\r\n")  # in OpenAI's shape, as every error a client sees
+    assert b"content-type: application/json" in head
+    assert orjson.loads(body)["error"]["code"] == "bad_http_request"
 
 
 async def test_app_that_fails_before_answering_gets_500() -> None:
@@ -343,7 +347,9 @@ async def test_503_past_the_limit_waits_its_turn_behind_a_stream() -> None:
         release.set()
         status, _, body = await read_response(reader)
         assert (status, body) == (b"HTTP/1.1 200 OK", b"onetwo")  # the stream ends whole, then the 503
-        assert (await reader.read()).startswith(b"HTTP/1.1 503 ")
+        refused = await reader.read()
+        assert refused.startswith(b"HTTP/1.1 503 ") and b"\r\nretry-after: 1\r\n" in refused
+        assert orjson.loads(refused.partition(b"\r\n\r\n")[2])["error"]["type"] == "service_unavailable"
 
 
 async def test_pipelined_body_deadline_waits_for_its_turn() -> None:
