@@ -178,7 +178,7 @@ class Exchange:
 
     def reply_headers(self) -> list[tuple[bytes, bytes]]:
         """What the client's response says beside the engine's headers: request id, rate limits, the wait."""
-        headers = [(b"x-request-id", self.request_id.encode())]
+        headers = [(b"x-request-id", self.request_id.encode("latin-1"))]
         if self.charge is not None:
             headers += ratelimit_headers(self.charge.decision)
         admission = self.admission

@@ -122,7 +122,7 @@ class RequestPath:
         except GatewayError as exc:
             self.metrics.rejected.labels(exc.code or f"http_{exc.status}").inc()
             if not writer.started:
-                await writer.error(exc, [(b"x-request-id", request_id.encode())])
+                await writer.error(exc, [(b"x-request-id", request_id.encode("latin-1"))])
             else:
                 log.warning("request %s failed after the response started: %s", request_id, exc.message)
                 with contextlib.suppress(OSError, ClientDisconnected):  # the client may be gone as well
@@ -283,7 +283,8 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
 
 def request_ids(headers: list[tuple[bytes, bytes]]) -> tuple[str, str]:
     """(the id the client and kvgate's logs know the request by, the id the engine is told). A client's own
-    ``x-request-id`` is echoed as it came, but the engine gets it with a suffix of its own: vLLM aborts
+    ``x-request-id`` (its first 128 bytes: a bound on what kvgate logs and sends on) is echoed byte for byte
+    (Latin-1 both ways), but the engine gets it with a suffix of its own: vLLM aborts
     requests by that id, so two clients sending the same one (or one sending another's) must not share it."""
     for key, value in headers:
         if key == b"x-request-id" and value:

@@ -294,6 +294,9 @@ def test_request_id_is_propagated(pair: tuple[str, str]) -> None:
     r = httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers={"x-request-id": "abc-1"})
     assert r.headers["x-request-id"] == "abc-1"
     assert len(httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).headers["x-request-id"]) == 16
+    for body in ({"prompt": "x", "max_tokens": 1}, {"prompt": "x", "max_tokens": -1}):  # answered, and refused
+        r = httpx.post(gw + "/v1/completions", json=body, headers={"x-request-id": b"\xe9t\xe9"})
+        assert (b"x-request-id", b"\xe9t\xe9") in r.headers.raw  # byte for byte, not re-encoded as UTF-8
 
 
 def test_health_and_readiness(mini_vllm: Callable[..., str], gateway: Callable[..., str], procs: list) -> None:
