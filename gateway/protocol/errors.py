@@ -68,7 +68,8 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 
 
 def context_length_exceeded(message: str) -> GatewayError:
-    return GatewayError(400, message, param="messages", code="context_length_exceeded")
+    """OpenAI's code (what clients test for), vLLM's param (on every route, not only a chat's messages)."""
+    return GatewayError(400, message, param="input_tokens", code="context_length_exceeded")
 
 
 def request_too_large(tokens: int, tokens_per_minute: int) -> GatewayError:

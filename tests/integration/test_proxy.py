@@ -188,6 +188,7 @@ def test_a_prompt_longer_than_the_context_is_served_when_the_client_truncates_it
     assert chat.usage is not None and chat.usage.prompt_tokens == 4095
     r = httpx.post(gw + "/v1/completions", json={"model": "mini", "prompt": long, "max_tokens": 4}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "input_tokens"  # vLLM's name for it, on a route without messages
     assert assert_ledger_empty(gw)["kvgate_requests_admitted_total"] == 2
 
 
