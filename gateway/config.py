@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from gateway.paths import CONTROL_PATHS, is_canonical
+from gateway.protocol.routes import GENERATION, READ_ONLY
 
 
 class _Model(BaseModel):
@@ -353,6 +354,8 @@ class PassthroughConfig(_Model):
                 )
             if path in CONTROL_PATHS:
                 raise ValueError(f"passthrough.allow: {path!r} is kvgate's own endpoint")
+            if path in GENERATION or path in READ_ONLY:  # routed first: an entry here would never be reached
+                raise ValueError(f"passthrough.allow: {path!r} is a route kvgate serves itself (admitted or read-only)")
         return self
 
 

@@ -84,6 +84,8 @@ def test_validate_command(tmp_path: Path) -> None:
         ("/a//b", "not a canonical path"),
         ("/metrics", "kvgate's own endpoint"),
         ("/healthz", "kvgate's own endpoint"),
+        ("/v1/chat/completions", "a route kvgate serves itself"),  # admitted: never passed through unadmitted
+        ("/v1/models", "a route kvgate serves itself"),
     ],
 )
 def test_allowed_paths_that_could_never_match_are_refused(path: str, why: str) -> None:
