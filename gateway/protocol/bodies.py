@@ -25,6 +25,7 @@ charset where that name would be other bytes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
@@ -75,6 +76,9 @@ def parse_body(kind: BodyKind, raw: bytes, content_type: bytes | None = None) ->
 # Charsets in which a form's field names and values are the bytes they read as (starlette decodes the form
 # with the request's charset: in UTF-7 or UTF-16 'vllm_xargs' is other bytes, so a search for it would miss it).
 _PLAIN_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii", "iso-8859-1", "latin-1", "latin1"})
+# RFC 2231's extended parameter (name*=UTF-8''vllm%5Fxargs): a name that is other bytes on the wire; RFC 7578
+# has no use for it in a form, and a parser that decodes it would read a field the search above cannot see
+_EXTENDED_NAME = re.compile(rb"name\s*\*", re.IGNORECASE)
 
 
 def refuse_form_engine_controls(raw: bytes, content_type: bytes | None = None) -> None:
@@ -82,7 +86,8 @@ def refuse_form_engine_controls(raw: bytes, content_type: bytes | None = None) -
     extra args, where the KV and EC connectors read their transfer parameters. kvgate does not parse the form
     (the audio may be megabytes; a parser that is not vLLM's own would read it differently somewhere): an
     audio request that names ``vllm_xargs`` anywhere is refused, as is a form in a charset where that name
-    would be other bytes. One linear search of the body."""
+    would be other bytes, or one with a field named in RFC 2231's encoded form (``name*=``). Linear in the
+    body."""
     if content_type is not None:
         for param in content_type.split(b";")[1:]:
             key, _, value = param.partition(b"=")
@@ -92,7 +97,7 @@ def refuse_form_engine_controls(raw: bytes, content_type: bytes | None = None) -
                     f"An audio form in charset '{charset}' is not accepted through this gateway: send it in UTF-8.",
                     param="content-type",
                 )
-    if b"vllm_xargs" in raw:
+    if b"vllm_xargs" in raw or _EXTENDED_NAME.search(raw):
         raise bad_request(
             "'vllm_xargs' is not accepted on the audio routes through this gateway (it can steer the engine's KV "
             "cache transfers): leave it out.",

@@ -343,6 +343,9 @@ def test_an_audio_form_that_names_vllm_xargs_is_refused_whatever_its_layout() ->
         _audio_form(vllm_xargs='{"my_plugin": 1}'),
         _audio_form(vllm_xargs="not json"),
         b'--b\r\nContent-Disposition: form-data; name = "vllm_xargs"\r\nX-Pad: a\nb\r\n\r\n{"x": NaN}\r\n--b--\r\n',
+        # RFC 2231's encoded name: not the bytes searched for, and some multipart parsers decode it
+        b"--b\r\nContent-Disposition: form-data; name*=UTF-8''vllm%5Fxargs\r\n\r\n{\"kv_transfer_params\": 1}\r\n--b--",
+        b"--b\r\nContent-Disposition: form-data; NAME *=utf-8''vllm%5fxargs\r\n\r\n{}\r\n--b--",
     ):
         with pytest.raises(GatewayError) as err:
             parse_body("audio", body)
