@@ -153,7 +153,7 @@ class RequestPath:
         # 1. authenticated already (against one policy snapshot for the whole request)
         exchange.client = client_hints(scope["headers"])
         # 2. parse (large bodies on a worker thread), once this arrival's turn has come
-        raw = await read_body(receive, self.limits.max_body_bytes)
+        raw = await read_body(receive, self.limits.max_body_bytes, _header(scope["headers"], b"content-length"))
         exchange.body_read(len(raw))
         watch.start()  # from here on, a client that goes away cancels this request wherever it is
         await self.arrivals.turn()  # in a burst, a few per loop iteration: the admitted ones' I/O goes on
@@ -215,7 +215,7 @@ class RequestPath:
     ) -> None:
         """A read-only route, to one engine of the pool; an allow-listed admin route (``every_engine``), to each
         of them: it changes an engine's state (an adapter loaded on one engine would be missing on the rest)."""
-        body = await read_body(receive, self.limits.max_body_bytes)
+        body = await read_body(receive, self.limits.max_body_bytes, _header(scope["headers"], b"content-length"))
         exchange.body_read(len(body))
         watch.start()
         headers = upstream_headers(scope["headers"], exchange.engine_request_id, self.upstream_api_key)
@@ -245,7 +245,11 @@ def raw_path_of(scope: dict[str, Any]) -> str:
     return bytes(raw).split(b"?", 1)[0].decode("latin-1")
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
+async def read_body(receive: Receive, limit: int, declared: bytes | None = None) -> bytes:
+    """The request's body, at most ``limit`` bytes (413). ``declared``: its Content-Length, which refuses a body
+    said to be larger before any of it is waited for."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise payload_too_large(limit)
     chunks: list[bytes] = []
     size = 0
     while True:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import socket
 import time
 from collections.abc import Callable
 
@@ -227,6 +228,12 @@ def test_oversized_body_is_413(mini_vllm: Callable[..., str], gateway: Callable[
     gw = gateway(mini_vllm(), {"tokenizer": "heuristic", "limits": {"max_body_bytes": 2048}})
     r = httpx.post(gw + "/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 1})
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+    # a body said to be larger is refused on its head alone: nothing of it is waited for
+    host, port = gw.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n{")
+        answer = conn.makefile("rb").read()  # the answer, then the close: the rest is never read
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"payload_too_large" in answer
 
 
 def test_sdk_backs_off_on_429_retry_after(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:
