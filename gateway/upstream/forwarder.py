@@ -53,6 +53,9 @@ _FORWARDED_UP_WITH_KEY = _FORWARDED_UP | {b"authorization"}
 # client is told its own (or kvgate's) id, once.
 _NOT_RELAYED_DOWN = HOP_BY_HOP | {b"content-length", b"date", b"server", b"x-request-id"}
 _TAIL_BYTES = 4096
+# a data line's start: what the events of a stream are counted by. Not "data:" alone, which an answer's own
+# text can hold ("data:image/png;base64,..."); a JSON string holds no raw newline
+_EVENT = b"\ndata:"
 _DONE = b"data: [DONE]\n\n"  # the last event of a chat or completions stream
 BUSY_RETRY_AFTER_S = 1.0
 
@@ -302,23 +305,24 @@ class Forwarder:
             self.metrics.upstream_busy.labels("sse").inc()
             raise engine_busy(BUSY_RETRY_AFTER_S)
         await writer.start(200, [*relayed_headers(resp.headers), *extra_headers])
-        events = first.count(b"data:")
+        opened = b"\n" + first  # the stream's start is a line's
+        events = opened.count(_EVENT)
+        tail = opened[-_TAIL_BYTES:]
         # The answer is whole at [DONE]: the client's response ends with the chunk that carries it. An SDK
         # closes its connection as it reads [DONE], often before the engine's own response has ended, and that
         # close must not count as a client gone mid-answer (cancelled: no usage learned, billed as cut short).
-        tail = first[-_TAIL_BYTES:]
         done = tail.endswith(_DONE)
         out = first if hidden is None else hidden.feed(first)
         if out or done:
             await writer.body(out, more=not done)
         on_progress(events)
         while not done and (chunk := await resp.next_chunk()) is not None:
+            events += (tail[-5:] + chunk).count(_EVENT)  # an event's start cut by the chunks' seam counts once
             tail = (tail + chunk)[-_TAIL_BYTES:]
             done = tail.endswith(_DONE)
             out = chunk if hidden is None else hidden.feed(chunk)
             if out or done:  # an event cut by the chunk's end waits for its rest
                 await writer.body(out, more=not done)
-            events += chunk.count(b"data:")
             on_progress(events)
         if not done:
             await writer.body(b"" if hidden is None else hidden.flush())

@@ -346,3 +346,45 @@ async def test_the_forwarder_says_a_stream_that_ended_in_an_error_event_broke_of
     await server.wait_closed()
     assert relayed.broke_off and relayed.usage is None
     assert b"".join(m.get("body", b"") for m in sent[1:]) == stream
+
+
+async def test_a_streams_events_are_counted_by_their_data_lines_wherever_the_chunks_cut_them() -> None:
+    """The progress a stream reports (the ledger's growth, a stream's length without usage) counts events by
+    the start of their data lines: not text of the answer that says "data:", and once for an event whose start
+    falls across two chunks (the stream's own start counts as a line's)."""
+    events = [
+        b'data: {"choices":[{"delta":{"content":"<img src=\\"data:image/png;base64,AAAA\\">"}}]}\n\n',
+        b'data: {"choices":[{"delta":{"content":"data: data:"}}]}\n\n',
+        b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    stream = b"".join(events)
+    cut = len(events[0]) + len(events[1]) + 3  # inside the third event's "data:"
+    chunks = [stream[: len(events[0]) - 1], stream[len(events[0]) - 1 : cut], stream[cut:]]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for chunk in chunks:
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+            await asyncio.sleep(0.05)  # each its own read
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    forwarder = Forwarder(f"http://127.0.0.1:{port}", GatewayMetrics(), timeout_s=5, connect_timeout_s=1)
+    sent: list[dict[str, Any]] = []
+    progress: list[int] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await forwarder.inference("/v1/chat/completions", b"{}", [], ResponseWriter(send), [], progress.append)
+    await forwarder.close()
+    server.close()
+    await server.wait_closed()
+    assert b"".join(m.get("body", b"") for m in sent[1:]) == stream
+    assert progress[-1] == len(events) and progress == sorted(progress)
