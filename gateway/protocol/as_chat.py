@@ -34,14 +34,21 @@ _BILLING_HEADER = "x-anthropic-billing-header"
 
 
 def responses_messages(body: dict[str, Any]) -> list[Message]:
-    """``instructions`` and ``input`` as vLLM's ``construct_input_messages`` turns them into chat messages
-    (a ``previous_response_id``'s stored history, which only the engine has, is not counted)."""
+    """``instructions`` and ``input`` as vLLM's ``construct_input_messages`` turns them into chat messages,
+    after the history a client sends in ``previous_input_messages`` (vLLM's extension, which a harmony model
+    such as gpt-oss renders before the input: a prompt like any other). A ``previous_response_id``'s stored
+    history, which only the engine has, is not counted."""
     messages: list[Message] = []
     instructions = body.get("instructions")
     if instructions:
         if not isinstance(instructions, str):
             raise bad_request("'instructions' must be a string.", param="instructions")
         messages.append({"role": "system", "content": instructions})
+    previous = body.get("previous_input_messages")
+    if previous is not None:
+        if not isinstance(previous, list):
+            raise bad_request("'previous_input_messages' must be an array.", param="previous_input_messages")
+        messages.extend(_previous_message(item, f"previous_input_messages[{i}]") for i, item in enumerate(previous))
     items = body.get("input")
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
@@ -130,6 +137,30 @@ def _from_item(item: dict[str, Any], previous: Message | None, where: str) -> Me
             raise bad_request(f"{where}.content must be a string or an array of parts.", param=f"{where}.content")
         return item  # parts as sent: text parts are text, images are images (vLLM's chat parsing reads both)
     raise bad_request(f"Unsupported input item type: {kind}", param="input")
+
+
+_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def _previous_message(item: Any, where: str) -> Message:
+    """One message of ``previous_input_messages``, in chat (``role``) or harmony (``author.role``) form, as a
+    chat message of its whole text (every text part; any other content as its JSON): priced, never less than
+    it is. Roles a chat template may not take alone (tool) count as the user's."""
+    if not isinstance(item, dict):
+        raise bad_request(f"{where} must be an object.", param=where)
+    author = item.get("author")
+    role = author.get("role") if isinstance(author, dict) else item.get("role")
+    content = item.get("content")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        text = "\n".join(
+            p["text"] if isinstance(p, dict) and isinstance(p.get("text"), str) else json.dumps(p, ensure_ascii=False)
+            for p in content
+        )
+    else:
+        text = "" if content is None else json.dumps(content, ensure_ascii=False)
+    return {"role": _CHAT_ROLES.get(role, "user") if isinstance(role, str) else "user", "content": text}
 
 
 def _first_text(parts: Any) -> str:
