@@ -15,13 +15,13 @@ from typing import Literal
 
 from gateway.admission.admitter import Admission, Admitter
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.errors import GatewayError, request_too_large
+from gateway.protocol.errors import GatewayError
 from gateway.server.hints import NO_HINTS
 from gateway.server.response import ResponseWriter
 from gateway.server.settle import stream_lead, tokens_streamed, tokens_used
 from gateway.tenants.counters import Charge, TenantCounters
 from gateway.tenants.policy import TenantPolicy
-from gateway.tenants.ratelimit import ratelimit_headers, token_charge
+from gateway.tenants.ratelimit import ratelimit_headers
 from gateway.tenants.slots import Slot
 from gateway.tokens.cost import RequestCost
 from gateway.upstream.forwarder import EngineUnreachable, Usage
@@ -85,11 +85,7 @@ class Exchange:
         self.tenant, self.cost, self.key = tenant, cost, key
         if self.client.read_timeout and self.whole_answer:  # see wait_budget_s
             self.answer_s = self._admitter.answer_s(cost, key)
-        tokens = token_charge(cost.charge_tokens, cost.least_charge_tokens, tenant.rates)
-        if tokens is None:
-            assert tenant.rates.tokens_per_minute is not None
-            raise request_too_large(cost.least_charge_tokens, tenant.rates.tokens_per_minute)
-        self.charge = await self._counters.check(tenant, tokens)
+        self.charge = await self._counters.check(tenant, cost.charge_tokens, cost.least_charge_tokens)
 
     async def take_slot(self) -> None:
         """One of the tenant's concurrency slots, if it has a limit; waits within the tenant's wait budget."""

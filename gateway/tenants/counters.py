@@ -28,9 +28,9 @@ from typing import Any
 
 from gateway.config import RedisConfig
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.errors import GatewayError, queue_timeout
+from gateway.protocol.errors import GatewayError, queue_timeout, request_too_large
 from gateway.tenants.policy import TenantPolicy
-from gateway.tenants.ratelimit import RateDecision, RateLimiter, RateLimits, ratelimit_headers
+from gateway.tenants.ratelimit import RateDecision, RateLimiter, RateLimits, ratelimit_headers, token_charge
 from gateway.tenants.redis_store import CHARGE_RECORD_TTL_S, RedisState, RedisUnavailable
 from gateway.tenants.slots import Slot, SlotTable
 
@@ -49,6 +49,15 @@ class Charge:
     backend: str  # "local" | "redis" | "none"
     decision: RateDecision
     id: str = ""  # names a Redis charge: its refund gives back at most what it took, once
+
+
+def _charged(tokens: int, least: int, rates: RateLimits) -> int:
+    """See :func:`token_charge`: what is charged against ``rates``, or 400 when nothing ever could be."""
+    amount = token_charge(tokens, least, rates)
+    if amount is None:
+        assert rates.tokens_per_minute is not None
+        raise request_too_large(least, rates.tokens_per_minute)
+    return amount
 
 
 class TenantCounters:
@@ -119,17 +128,20 @@ class TenantCounters:
 
     # --- rate limits --------------------------------------------------------------------------------
 
-    async def check(self, tp: TenantPolicy, tokens: int) -> Charge:
-        """Charge one request and ``tokens`` against the tenant's per-minute limits, or raise 429 (or 503
-        when Redis is down and ``on_failure: closed``)."""
+    async def check(self, tp: TenantPolicy, tokens: int, least: int = 0) -> Charge:
+        """Charge one request and ``tokens`` against the tenant's per-minute limits (at most a minute's
+        allowance of those it is checked against: see :func:`token_charge`), or raise 429 (or 503 when Redis is
+        down and ``on_failure: closed``; 400 when even ``least``, what it is billed whatever it generates, is
+        more than a minute's allowance)."""
         if not tp.rates.any:
             return Charge(tp.key, tp.rates, tokens, "none", _UNLIMITED)
         charge: Charge | None = None
         if self.redis is not None and self.redis.healthy:
             charge_id = str(next(self._charge_ids))
+            amount = _charged(tokens, least, tp.rates)
             try:
-                decision = await self.redis.check(tp.key, tp.rates, tokens, charge_id)
-                charge = Charge(tp.key, tp.rates, tokens, "redis", decision, charge_id)
+                decision = await self.redis.check(tp.key, tp.rates, amount, charge_id)
+                charge = Charge(tp.key, tp.rates, amount, "redis", decision, charge_id)
             except RedisUnavailable:  # the answer did not come (the script may have run, or may still): undo it
                 self._refund_redis(tp.key, tp.rates, charge_id, undo=True)
             except asyncio.CancelledError:  # the client left while Redis was charging it
@@ -140,7 +152,8 @@ class TenantCounters:
             if self.redis is not None:
                 self._refuse_if_closed(tp)
                 rates = rates.scaled(self.cfg.replicas)
-            charge = Charge(tp.key, rates, tokens, "local", self.local.check(tp.key, tokens, self.clock(), rates))
+            amount = _charged(tokens, least, rates)
+            charge = Charge(tp.key, rates, amount, "local", self.local.check(tp.key, amount, self.clock(), rates))
         decision = charge.decision
         if not decision.allowed:
             raise GatewayError(
@@ -154,9 +167,10 @@ class TenantCounters:
         return charge
 
     def settle(self, charge: Charge, actual: int, reached_engine: bool = True) -> None:
-        """Refund the unused part of the pre-charge, to the counter that took it, and the request itself if
-        it never reached the engine (kvgate turned it away, or its client left first); never waits on Redis."""
-        unused = max(0, charge.tokens - actual)
+        """Refund the unused part of the pre-charge (or take what was used beyond a charge cut to a minute's
+        allowance), to the counter that took it, and the request itself if it never reached the engine (kvgate
+        turned it away, or its client left first); never waits on Redis."""
+        unused = charge.tokens - actual  # below 0: used beyond the charge
         if charge.backend == "local":
             self.local.settle(charge.key, charge.tokens, actual, self.clock(), request=reached_engine)
         elif charge.backend == "redis":  # with nothing to give back too: the refund deletes the charge's record

@@ -97,11 +97,12 @@ class RateLimits:
 
 def token_charge(full: int, least: int, rates: RateLimits) -> int | None:
     """What a request pre-charges against ``rates``' tokens per minute: ``full`` (its prompt and its whole
-    output budget) when one minute's allowance holds it; else that allowance, so long as ``least`` (what it
-    takes whatever it generates) fits in it. A chat without max_tokens has the rest of the context as its budget,
-    more than many a tenant's minute: it waits for a whole minute's allowance rather than never being let in,
-    and settling refunds what it did not use (and bills no more than was charged). None: even ``least`` is more
-    than a minute's allowance, so no wait would ever let it in."""
+    output budget) when one minute's allowance holds it; else that allowance, so long as ``least`` (what it is
+    billed whatever it generates) fits in it. A chat without max_tokens has the rest of the context as its
+    budget, more than many a tenant's minute: it waits for a whole minute's allowance rather than never being
+    let in, and what it uses beyond the charge is taken at settle (the bucket goes into debt, so the tenant's
+    next requests wait it off). None: even ``least`` is more than a minute's allowance, so no wait would ever
+    let it in."""
     limit = rates.tokens_per_minute
     if not limit or full <= limit:
         return full
@@ -154,11 +155,15 @@ class RateLimiter:
         )
 
     def settle(self, key: str, charged: int, actual: int, now: float, request: bool = True) -> None:
-        """Refund the part of the pre-charge the request did not use, and the request itself when it never
-        counted (``request`` False: kvgate turned it away before the engine saw it)."""
+        """Refund the part of the pre-charge the request did not use, or take what it used beyond (a charge
+        cut to a minute's allowance: see :func:`token_charge`; the bucket goes below zero), and refund the
+        request itself when it never counted (``request`` False: kvgate turned it away before the engine saw
+        it)."""
         tok_bucket = self._tokens.get(key)
         if tok_bucket and actual < charged:
             tok_bucket.refund(charged - actual, now)
+        elif tok_bucket and actual > charged:
+            tok_bucket.take(actual - charged, now)
         req_bucket = self._requests.get(key)
         if req_bucket and not request:
             req_bucket.refund(1, now)

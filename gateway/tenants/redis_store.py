@@ -90,7 +90,10 @@ if tpm > 0 then
 else
   redis.call('HDEL', key, 't', 'tt', 'tc')
 end
-redis.call('PEXPIRE', key, 61000)
+-- kept until full again: a minute, or longer while the tokens are in debt (a refund that took more: _REFUND)
+local keep = 61000
+if tpm > 0 and tk < 0 then keep = math.max(keep, math.ceil((tpm - tk) * 60000 / tpm) + 1000) end
+redis.call('PEXPIRE', key, keep)
 return {allowed, tostring(r), tostring(tk), tostring(rwait), tostring(twait)}
 """
 
@@ -99,7 +102,9 @@ return {allowed, tostring(r), tostring(tk), tostring(rwait), tostring(twait)}
 # whole charge ('1': undo, for a check whose answer never came). An undo finding no record leaves one that
 # says "undone", so a check still on its way charges nothing. Amounts go back at the capacity the bucket was
 # last charged with (as TokenBucket.refund does; the next check resizes it); rpm and tpm are for a key written
-# before the capacity was stored.
+# before the capacity was stored. Tokens below 0 are taken (a charge cut to a minute's allowance used more:
+# TokenBucket.take): the level goes into debt, from a full bucket if it had expired, and the key is kept until
+# the debt is paid off and the bucket full again.
 _REFUND = """
 local key = KEYS[1]
 local record = redis.call('GET', KEYS[2])
@@ -112,18 +117,27 @@ redis.call('DEL', KEYS[2])
 local took_r, took_t = string.match(record, '^(%S+) (%S+)$')
 took_r, took_t = tonumber(took_r), tonumber(took_t)
 local requests, tokens = took_r, took_t
-if ARGV[5] ~= '1' then requests, tokens = math.min(tonumber(ARGV[3]), took_r), math.min(tonumber(ARGV[4]), took_t) end
+if ARGV[5] ~= '1' then
+  requests, tokens = math.min(tonumber(ARGV[3]), took_r), math.min(tonumber(ARGV[4]), took_t)
+  if took_t == 0 then tokens = 0 end  -- no token limit when it was charged: none to give back or take
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local function refund(field, stamp, stored_cap, per_minute, amount)
-  if amount <= 0 then return end
+  if amount == 0 then return end
   local v = redis.call('HMGET', key, field, stamp, stored_cap)
-  if not v[1] then return end
   local cap = tonumber(v[3]) or per_minute
+  if not cap or cap <= 0 then return end
   local level, ts = tonumber(v[1]), tonumber(v[2])
+  if not level then
+    if amount > 0 then return end  -- gone (full, expired): nothing to give back to
+    level, ts = cap, now
+  end
   if now > ts then level = level + (now - ts) * cap / 60 end
   level = math.min(cap, level + amount)
-  redis.call('HSET', key, field, tostring(level), stamp, tostring(now))
+  redis.call('HSET', key, field, tostring(level), stamp, tostring(now), stored_cap, tostring(cap))
+  local keep = math.max(61000, math.ceil((cap - level) * 60000 / cap) + 1000)  -- until full again
+  if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
 end
 refund('r', 'rt', 'rc', tonumber(ARGV[1]), requests)
 refund('t', 'tt', 'tc', tonumber(ARGV[2]), tokens)

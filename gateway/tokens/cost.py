@@ -65,11 +65,11 @@ class RequestCost:
 
     @property
     def least_charge_tokens(self) -> int:
-        """The part of :attr:`charge_tokens` a request takes whatever it generates: its prompts (their high end
-        when estimated) and the output it must produce (``min_tokens``; all of its budget under ignore_eos)."""
-        prompts = self.prompt_high if self.prompt_high is not None else self.prompt_tokens
-        least = sum(min(self.min_output, budget) for budget in self.output_budgets)
-        return (sum(prompts) + least) * self.sequences_per_prompt
+        """What a request is billed whatever it generates, as vLLM's usage counts it: its prompts once each
+        (their counted size: not the high end of an estimate, nor the media allowance, which never refuse) and
+        the output each sequence must produce (``min_tokens``; all of its budget under ignore_eos)."""
+        least = sum(min(self.min_output, budget) for budget in self.output_budgets) * self.sequences_per_prompt
+        return sum(self.prompt_tokens) - self.media_tokens + least
 
     @property
     def num_sequences(self) -> int:

@@ -421,3 +421,48 @@ async def test_a_charge_settled_with_nothing_to_give_back_leaves_no_record(redis
     finally:
         await admin.aclose()
         await limits.close()
+
+
+async def test_a_charge_cut_to_a_minutes_allowance_takes_what_it_used_beyond_as_a_debt(
+    redis_server: RedisServer,
+) -> None:
+    """A request whose budget is more than a minute's tokens (a chat without max_tokens) is charged the
+    minute's allowance; what it used beyond is taken when it settles, on every replica's count: the bucket goes
+    into debt and the tenant waits it off, so a large budget is no way around the limit. The debt outlives the
+    minute a bucket's key otherwise lasts, and one taken after the bucket's key expired starts from a full one.
+    Even the least such a request is billed, when more than a minute's allowance, is a 400: no wait helps."""
+    limits = TenantCounters(rcfg(redis_server), GatewayMetrics())
+    other = TenantCounters(rcfg(redis_server), GatewayMetrics())  # a second replica
+    await limits.start()
+    await other.start()
+    admin = aioredis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        charge = await limits.check(tenant(), 5_000, least=100)  # tokens_per_minute 1000
+        assert charge.backend == "redis" and charge.tokens == 1000
+        limits.settle(charge, 3_000)  # used 3,000: 2,000 more than charged
+        for _ in range(100):  # the settle runs in the background
+            if not [k async for k in admin.scan_iter(match="*rl-charge*")]:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(GatewayError) as err:
+            await other.check(tenant(), 10, least=10)
+        assert err.value.status == 429 and err.value.retry_after_s is not None
+        assert 110 <= err.value.retry_after_s <= 121  # 2,000 in debt: two minutes to wait off, and a bit
+        (bucket,) = [k async for k in admin.scan_iter(match="*:rl:*")]
+        assert await admin.pttl(bucket) > 120_000  # kept until paid off, not the minute a full one lasts
+        await admin.delete(bucket)  # expired meanwhile: a debt starts from a full bucket
+        again = await limits.check(tenant(), 5_000, least=100)
+        await admin.delete(bucket)
+        limits.settle(again, 1_500)
+        for _ in range(100):
+            if await admin.exists(bucket):
+                break
+            await asyncio.sleep(0.02)
+        assert float(await admin.hget(bucket, "t")) == pytest.approx(500, abs=5)  # type: ignore[arg-type]
+        with pytest.raises(GatewayError) as err:
+            await limits.check(tenant(), 5_000, least=1_001)
+        assert err.value.status == 400 and err.value.code == "request_too_large"
+    finally:
+        await admin.aclose()
+        await limits.close()
+        await other.close()

@@ -95,10 +95,26 @@ def test_a_charge_is_the_whole_budget_or_a_minutes_allowance_never_more(full: in
         assert charge is None
 
 
-def test_what_a_request_takes_whatever_it_generates() -> None:
-    """Its prompts at their high end when estimated, and the output it must produce: min_tokens, or all of its
-    budget under ignore_eos (a floor past the budget), per sequence."""
+def test_what_a_request_is_billed_whatever_it_generates() -> None:
+    """As vLLM's usage counts it: each prompt once (as counted: not an estimate's high end, nor a media
+    allowance), and the output each sequence must produce: min_tokens, or all of its budget under ignore_eos
+    (a floor past the budget)."""
     assert RequestCost((100,), 1, 4000, 0).least_charge_tokens == 100
     assert RequestCost((100,), 1, 4000, 0, min_output=50).least_charge_tokens == 150
     assert RequestCost((100,), 1, 300, 0, min_output=2**31 - 1).least_charge_tokens == 400
-    assert RequestCost((100, 20), 2, 300, 0, min_output=10, prompt_high=(120, 30)).least_charge_tokens == 340
+    assert RequestCost((100, 20), 2, 300, 0, min_output=10, prompt_high=(120, 30)).least_charge_tokens == 160
+    assert RequestCost((3000,), 4, 100, 0).least_charge_tokens == 3000  # n=4: the prompt is billed once
+    assert RequestCost((900,), 1, 100, 0, media_tokens=800).least_charge_tokens == 100
+
+
+def test_a_charge_cut_to_a_minutes_allowance_takes_what_it_used_beyond_as_a_debt() -> None:
+    """What a request used beyond its (cut) charge is taken when it settles: the bucket goes below zero and
+    the tenant's next requests wait until it is paid off, so a large budget is no way around the limit."""
+    limiter = RateLimiter()
+    rates = RateLimits(tokens_per_minute=1000)
+    charged = token_charge(5000, 100, rates)
+    assert charged == 1000 and limiter.check("k", charged, 0.0, rates).allowed
+    limiter.settle("k", charged, 3000, 0.0)  # 2,000 more than charged
+    refused = limiter.check("k", 10, 0.0, rates)
+    assert not refused.allowed and refused.retry_after_s == pytest.approx(120.6)  # 2,010 at 1,000 a minute
+    assert limiter.check("k", 10, 121.0, rates).allowed
