@@ -14,8 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from gateway.paths import CONTROL_PATHS, is_canonical
-from gateway.protocol.routes import GENERATION, READ_ONLY
+from gateway.paths import CONTROL_PATHS, GENERATION, READ_ONLY, is_canonical
 
 
 class _Model(BaseModel):

@@ -31,6 +31,7 @@ from typing import Any
 
 import orjson
 
+from gateway.paths import BodyKind
 from gateway.protocol.as_chat import anthropic_messages, anthropic_tools, responses_messages, responses_tools
 from gateway.protocol.errors import bad_request
 from gateway.protocol.requests import (
@@ -43,7 +44,6 @@ from gateway.protocol.requests import (
     refuse_engine_controls,
     truncation,
 )
-from gateway.protocol.routes import BodyKind
 
 
 def parse_body(kind: BodyKind, raw: bytes, content_type: bytes | None = None) -> InferenceRequest:

@@ -20,39 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from gateway.paths import is_canonical
+from gateway.paths import GENERATION, READ_ONLY, BodyKind, is_canonical
 from gateway.protocol.errors import GatewayError
 
-# How a generation route's body is read for its cost (see gateway.protocol.bodies).
-BodyKind = Literal["chat", "completions", "responses", "messages", "invocations", "pooling", "score", "audio"]
 RouteKind = Literal["generation", "read_only", "allowed"]
 
-GENERATION: dict[str, BodyKind] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-    "/v1/messages": "messages",
-    "/invocations": "invocations",
-    "/v1/embeddings": "pooling",
-    "/pooling": "pooling",
-    "/classify": "pooling",
-    "/score": "score",
-    "/v1/score": "score",
-    "/rerank": "score",
-    "/v1/rerank": "score",
-    "/v2/rerank": "score",
-    "/v1/audio/transcriptions": "audio",
-    "/v1/audio/translations": "audio",
-}
-READ_ONLY: dict[str, frozenset[str]] = {
-    "/v1/models": frozenset({"GET"}),
-    "/tokenize": frozenset({"POST"}),
-    "/detokenize": frozenset({"POST"}),
-    "/version": frozenset({"GET"}),
-    "/health": frozenset({"GET"}),
-    "/ping": frozenset({"GET", "POST"}),
-    "/load": frozenset({"GET"}),
-}
 # vLLM routes kvgate knowingly keeps closed (404 unless allow-listed): admin, debug, weight updates, docs, and
 # routes it has no cost model for. The e2e suite checks that every route of the real engine is in one of the
 # three tables, so a new vLLM route is classified on purpose, never by default.

@@ -21,11 +21,12 @@ from gateway.admission.admitter import Admitter
 from gateway.admission.queue import engine_priority
 from gateway.config import RequestLimitsConfig
 from gateway.metrics import GatewayMetrics
+from gateway.paths import BodyKind
 from gateway.protocol.bodies import parse_body
 from gateway.protocol.cache_salt import salted
 from gateway.protocol.errors import GatewayError, payload_too_large, shutting_down
 from gateway.protocol.requests import InferenceRequest
-from gateway.protocol.routes import BodyKind, route
+from gateway.protocol.routes import route
 from gateway.protocol.stream_usage import asking_usage
 from gateway.server.disconnect import ClientDisconnected, DisconnectWatch, Receive, connection_loss
 from gateway.server.exchange import Exchange
