@@ -80,13 +80,15 @@ if rwait == 0 and twait == 0 then
     redis.call('SET', KEYS[2], took, 'PX', ARGV[4])
   end
 end
+-- a level is as of the later of now and its stamp: a clock stepped back (a failover) credits no time twice
+local function stamp(ts) return math.max(now, tonumber(ts) or now) end
 if rpm > 0 then
-  redis.call('HSET', key, 'r', tostring(r), 'rt', tostring(now), 'rc', tostring(rpm))
+  redis.call('HSET', key, 'r', tostring(r), 'rt', tostring(stamp(v[2])), 'rc', tostring(rpm))
 else
   redis.call('HDEL', key, 'r', 'rt', 'rc')
 end
 if tpm > 0 then
-  redis.call('HSET', key, 't', tostring(tk), 'tt', tostring(now), 'tc', tostring(tpm))
+  redis.call('HSET', key, 't', tostring(tk), 'tt', tostring(stamp(v[5])), 'tc', tostring(tpm))
 else
   redis.call('HDEL', key, 't', 'tt', 'tc')
 end
@@ -135,7 +137,7 @@ local function refund(field, stamp, stored_cap, per_minute, amount)
   end
   if now > ts then level = level + (now - ts) * cap / 60 end
   level = math.min(cap, level + amount)
-  redis.call('HSET', key, field, tostring(level), stamp, tostring(now), stored_cap, tostring(cap))
+  redis.call('HSET', key, field, tostring(level), stamp, tostring(math.max(now, ts)), stored_cap, tostring(cap))
   local keep = math.max(61000, math.ceil((cap - level) * 60000 / cap) + 1000)  -- until full again
   if redis.call('PTTL', key) < keep then redis.call('PEXPIRE', key, keep) end
 end

@@ -466,3 +466,28 @@ async def test_a_charge_cut_to_a_minutes_allowance_takes_what_it_used_beyond_as_
         await admin.aclose()
         await limits.close()
         await other.close()
+
+
+async def test_a_redis_clock_that_steps_back_credits_no_time_twice(redis_server: RedisServer) -> None:
+    """The check script with its clock given (a failover to a Redis whose clock is 30 s behind): the bucket's
+    level stays as of the later time, so the 30 s it had already been credited are not credited again."""
+    from gateway.tenants import redis_store
+
+    clocked = redis_store._CHECK.replace(
+        "local now = tonumber(t[1]) + tonumber(t[2]) / 1000000", "local now = tonumber(ARGV[5])"
+    )
+    assert clocked != redis_store._CHECK
+    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        check = client.register_script(clocked)
+
+        async def tokens_left(at: float, take: int) -> float:
+            answer = await check(keys=["clock"], args=[0, 6000, take, 1000, at])
+            return float(answer[2])
+
+        assert await tokens_left(1000.0, 6000) == 0  # emptied at t=1000
+        assert await tokens_left(970.0, 0) == 0  # the clock stepped back 30 s: nothing refilled
+        assert await tokens_left(1000.0, 0) == 0  # back at 1000: still nothing (was 3,000, credited twice)
+        assert await tokens_left(1010.0, 0) == pytest.approx(1000)  # 10 s at 100 a second
+    finally:
+        await client.aclose()
