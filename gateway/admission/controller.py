@@ -253,9 +253,12 @@ class AdmissionController:
         return self._geometry
 
     def _pool_geometry(self) -> KvGeometry | None:
-        known = [b.geometry for b in self.engines.values() if b.geometry is not None and not b.leaving]
-        if not known:
-            known = [b.geometry for b in self.engines.values() if b.geometry is not None]
+        """The block size most of the pool's tokens are in, from the engines that take requests: not one that
+        is leaving, nor one ejected (dead, or restarting with another ``--block-size``: the rest would all be
+        of the "other" size and nothing placeable); failing those, from any."""
+        books = [(b, b.geometry) for b in self.engines.values() if b.geometry is not None]
+        known = [g for b, g in books if not b.leaving and not b.ejected]
+        known = known or [g for b, g in books if not b.leaving] or [g for _, g in books]
         if not known:
             return None
         totals: dict[int, int] = {}
@@ -303,7 +306,10 @@ class AdmissionController:
     def scrape_failed(self, now: float, engine: str = DEFAULT_ENGINE) -> bool:
         """True if the failure ejected the engine (only in a pool: a lone engine keeps the stale policy)."""
         book = self.engines.get(engine)
-        return book is not None and book.scrape_failed(now, pooled=len(self.engines) > 1)
+        ejected = book is not None and book.scrape_failed(now, pooled=len(self.engines) > 1)
+        if ejected:
+            self._pool_changed()
+        return ejected
 
     def eject(self, engine: str, now: float) -> float | None:
         """The engine refused a connection: place nothing there for a while (only in a pool). The backoff."""
@@ -312,7 +318,9 @@ class AdmissionController:
             return None
         if book.ejected:  # the other requests that were on their way there: one ejection, not one each
             return book.ejected_until - now if book.ejected_until is not None else None
-        return book.eject(now, "connect")
+        backoff = book.eject(now, "connect")
+        self._pool_changed()
+        return backoff
 
     def is_stale(self, now: float) -> bool:
         """No engine has a fresh picture."""

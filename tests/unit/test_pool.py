@@ -236,6 +236,23 @@ def test_an_engine_with_blocks_of_another_size_takes_nothing_until_its_size_is_t
     assert set(c.engines) == {"new"}
 
 
+def test_when_the_engines_of_the_pools_block_size_are_ejected_the_others_take_over() -> None:
+    """The larger engine, whose 32-token blocks the pool was priced in, died (or restarts with another
+    --block-size): the 16-token engine was "of another size" and took nothing, so nothing was placeable and
+    every request waited out its budget. The pool's size comes from the engines that take requests."""
+    c = pool(100)
+    c.add_engine("big")
+    c.begin_sample("big")
+    c.apply_sample(UsageSample(0.0, 0.0, KvGeometry(32, 200)), "big")
+    assert c.engines["e0"].other_block_size and c.geometry == KvGeometry(32, 200)
+    for _ in range(3):
+        c.scrape_failed(1.0, "big")  # the third failure in a row ejects it
+    assert c.engines["big"].ejected
+    assert c.geometry == KvGeometry(16, 100) and c.engines["e0"].placeable
+    placed = c.submit(req(5), "t", 1.1)
+    assert isinstance(placed, Admitted) and placed.reservation.engine == "e0"
+
+
 def test_a_request_only_an_ejected_engine_could_hold_does_not_hold_up_the_rest_of_the_pool() -> None:
     """The large engine refused a connection: a request larger than the small engine's whole pool waits for
     it to come back (not refused: it will fit then), while those behind it are served by the small engine. A
