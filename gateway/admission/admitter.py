@@ -25,7 +25,7 @@ from gateway.admission.engine import SampleMark
 from gateway.admission.ledger import Reservation
 from gateway.admission.queue import PRIORITIES, STANDARD, QueueClass, Ticket
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.errors import GatewayError, queue_full, queue_timeout, wait_predicted
+from gateway.protocol.errors import GatewayError, queue_full, queue_timeout, upstream_unavailable, wait_predicted
 from gateway.protocol.prompt_prefix import leading_bytes
 from gateway.protocol.requests import InferenceRequest
 from gateway.tokens.cost import RequestCost
@@ -223,6 +223,11 @@ class Admitter:
                 )
             if decision.reason == "queue_wait_predicted":
                 raise wait_predicted(decision.retry_after_s, extra)
+            if decision.reason == "no_engine":
+                raise upstream_unavailable(
+                    "No engine of the pool is taking requests now (each is down, restarting or leaving).",
+                    decision.retry_after_s,
+                )
             raise queue_full(decision.retry_after_s, extra)
         ticket = decision.ticket
         loop = asyncio.get_running_loop()

@@ -53,7 +53,7 @@ class Queued:
 
 @dataclass(frozen=True, slots=True)
 class Rejected:
-    reason: Literal["queue_full", "tenant_queue_full", "no_capacity_info", "queue_wait_predicted"]
+    reason: Literal["queue_full", "tenant_queue_full", "no_capacity_info", "queue_wait_predicted", "no_engine"]
     retry_after_s: float
     position: int = 0
 
@@ -357,6 +357,16 @@ class AdmissionController:
             return affine[2], affine[1], True
         return best[2], best[1], False
 
+    def _no_engine_for(self, now: float) -> float | None:
+        """Seconds until an engine of the pool may take requests again (the end of the first ejection's
+        backoff, at least 1), when none is taking any: each is ejected or leaving. None while one is (or in a
+        pool of one, which is never ejected)."""
+        books = self.engines.values()
+        if len(self.engines) < 2 or any(not b.ejected and not b.leaving for b in books):
+            return None
+        returns = [b.ejected_until for b in books if b.ejected_until is not None and not b.leaving]
+        return max(1.0, min(returns, default=now + 1.0) - now)
+
     def _first_with_an_engine(self) -> Ticket | None:
         """When the head of the queue is larger than every placeable engine's whole pool: the first ticket in
         serving order that is not (None if none is, or if the head is not: then it waits for room)."""
@@ -435,6 +445,9 @@ class AdmissionController:
         if not self.queue.waiting_at_or_above(qclass.priority) and (placed := self.place(expected.blocks, now, prefix)):
             book, usage, by_affinity = placed
             return Admitted(self._reserve(book, expected, cost, key, tenant, now, usage, prefix, by_affinity))
+        if (back_in := self._no_engine_for(now)) is not None:
+            # every engine is down (or leaving): a prompt 503 to come back, not a wait of the whole budget
+            return Rejected("no_engine", back_in, len(self.queue) + 1)
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         ahead = self.queue.prospective_position(tenant, qclass.priority, retry)
         predicted = self.predicted_wait(ahead, now)

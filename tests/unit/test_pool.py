@@ -9,7 +9,7 @@ import socket
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission.controller import AdmissionController, Admitted, Queued, UsageSample
+from gateway.admission.controller import AdmissionController, Admitted, Queued, Rejected, UsageSample
 from gateway.admission.engine import EJECT_BASE_S, EJECT_MAX_S, SCRAPE_FAILURES_TO_EJECT
 from gateway.admission.ledger import Reservation
 from gateway.config import AdmissionConfig, OutputEstimateConfig
@@ -251,6 +251,21 @@ def test_when_the_engines_of_the_pools_block_size_are_ejected_the_others_take_ov
     assert c.geometry == KvGeometry(16, 100) and c.engines["e0"].placeable
     placed = c.submit(req(5), "t", 1.1)
     assert isinstance(placed, Admitted) and placed.reservation.engine == "e0"
+
+
+def test_with_every_engine_down_a_request_is_told_to_come_back_not_held_for_its_budget() -> None:
+    """All the pool's engines ejected: nothing can take the request until one is back, so it is refused at
+    once with when that may be (the first backoff's end), as a lone engine's refused connection is; with one
+    engine back, requests are placed again."""
+    c = pool(100, 100)
+    for engine in ("e0", "e1"):
+        c.eject(engine, 1.0)
+    refused = c.submit(req(5), "t", 1.2)
+    assert isinstance(refused, Rejected) and refused.reason == "no_engine" and refused.retry_after_s >= 1.0
+    assert len(c.queue) == 0
+    sample(c, "e0", 0.0, 10.0)  # back, after its backoff
+    assert not c.engines["e0"].ejected
+    assert isinstance(c.submit(req(5), "t", 10.1), Admitted)
 
 
 def test_a_request_only_an_ejected_engine_could_hold_does_not_hold_up_the_rest_of_the_pool() -> None:
