@@ -109,6 +109,7 @@ class Scraper:
             for subscriber in self.subscribers:
                 subscriber.scrape_failed()
             return False
+        previous = self.latest
         self.latest = sample = UsageSample(
             usage=engine.usage,
             taken_at=started,
@@ -123,12 +124,15 @@ class Scraper:
         )
         for subscriber in self.subscribers:
             subscriber.sample(sample)
-        if self.last_error is not None:
+        recovered = self.last_error is not None
+        if recovered:
             log.info("upstream metrics recovered after: %s", self.last_error)
         self.last_success = started
         self.last_error = None
         self._count_preemptions(engine.preemptions)
-        if self.model.id is None:
+        # asked again whenever the engine may have come back another (restarted, or answering again after a
+        # failure: a rolling update's new --max-model-len or model), not only until it first answers
+        if self.model.id is None or recovered or (previous is not None and sample.restarted_since(previous)):
             await self.discover_model()
         return True
 

@@ -4,7 +4,9 @@ refusal logged once per status instead of dropped silently (or logged every scra
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -19,6 +21,7 @@ from gateway.upstream.session import UpstreamSession
 from tests.support.procs import free_port
 
 KEY = "engine-secret"
+REFERENCE = Path(__file__).parents[1] / "sim" / "reference"
 
 
 class GuardedModels:
@@ -121,3 +124,43 @@ async def test_a_pool_mid_way_through_a_max_model_len_change_admits_what_fits_ev
     assert pool.model.max_model_len == 8192
     await pool.remove("http://b")  # the shorter one leaves: the pool's is the one left
     assert pool.model.max_model_len == 16384
+
+
+async def test_an_engine_that_restarts_is_asked_again_what_it_serves(scraper: Callable[..., Scraper]) -> None:
+    """A sidecar's engine restarted on the same address with a longer --max-model-len (its process start time
+    changed), or answered again after failing: its /v1/models is read again, not kept from its first answer
+    (kvgate refused what now fits, and priced a chat without max_tokens at the old context's rest)."""
+    state = {"started": 1000.0, "max_model_len": 2048, "up": True}
+
+    async def metrics(_: web.Request) -> web.Response:
+        if not state["up"]:
+            return web.Response(status=503)
+        text = (REFERENCE / "metrics-sample.txt").read_text()
+        text = re.sub(
+            r"^process_start_time_seconds .*$", f"process_start_time_seconds {state['started']}", text, flags=re.M
+        )
+        return web.Response(text=text)
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": state["max_model_len"], "parent": None}]})
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        s = scraper(f"http://127.0.0.1:{port}")
+        assert await s.scrape_once() and s.model.max_model_len == 2048
+        state["max_model_len"] = 300_000
+        assert await s.scrape_once() and s.model.max_model_len == 2048  # the same process: not asked again
+        state["started"] = 2000.0  # restarted between two scrapes
+        assert await s.scrape_once() and s.model.max_model_len == 300_000
+        state["up"], state["max_model_len"] = False, 4096
+        assert not await s.scrape_once()
+        state["up"] = True  # back after failing (its start time may not say so: a sample it never showed)
+        assert await s.scrape_once() and s.model.max_model_len == 4096
+    finally:
+        await runner.cleanup()
