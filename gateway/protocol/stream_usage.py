@@ -46,6 +46,11 @@ def _is_terminal(event: bytes) -> bool:
     return b'"finish_reason":"' in event or b'"finish_reason": "' in event
 
 
+def _streams_a_choice(event: bytes) -> bool:
+    """An event of a choice (chat's ``delta``, completions' ``text``), not an error or the usage."""
+    return b'"choices":[{' in event or b'"choices": [{' in event
+
+
 def _fingerprint(usage_event: bytes) -> bytes | None:
     """The usage event's ``"system_fingerprint":"..."`` member, to stamp on the events it was taken from."""
     if b'"system_fingerprint"' not in usage_event:
@@ -68,9 +73,10 @@ class UsageEventFilter:
     """Drops the usage event from a stream relayed chunk by chunk, every other event kept in order, and gives
     the choices' last events the ``system_fingerprint`` vLLM moved onto it: the client's stream is the one it
     would have had without the usage it did not ask for. An event cut by a chunk's end is held back until its
-    rest arrives (nothing is written before an event is whole), and so are the last events from the first
-    ``finish_reason`` until the usage event (vLLM sends them together). A stream not framed as SSE events
-    ("\n\n") is passed through as it comes."""
+    rest arrives (nothing is written before an event is whole), and so is each choice's last event
+    (``finish_reason``) until the usage event, whose fingerprint it gets, with any other event behind it but
+    the other choices' own: those of an ``n > 1`` stream go on streaming meanwhile. A stream not framed as SSE
+    events ("\n\n") is passed through as it comes."""
 
     def __init__(self) -> None:
         self._pending: list[bytes] = []  # an event's start, in pieces (joined once it ends: linear in its size)
@@ -105,8 +111,8 @@ class UsageEventFilter:
                 out.extend(e + b"\n\n" for e in self._held)
                 self._held = []
                 out.append(event + b"\n\n")
-            elif self._held or _is_terminal(event):
-                self._held.append(event)
+            elif _is_terminal(event) or (self._held and not _streams_a_choice(event)):
+                self._held.append(event)  # not the other choices of an n > 1 stream: they go on as they come
             else:
                 out.append(event + b"\n\n")
         return b"".join(out)

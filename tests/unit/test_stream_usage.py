@@ -86,6 +86,24 @@ def test_the_client_gets_the_stream_it_would_have_had_without_usage(cuts: list[i
     assert _relay(TOKENS + b'data: {"partial', cuts) == TOKENS + b'data: {"partial'  # cut off: as sent
 
 
+def test_the_other_choices_of_an_n_stream_go_on_streaming_after_the_first_ends() -> None:
+    """n=2: choice 0 ends first. Its last event waits for the usage event's fingerprint, but choice 1's
+    events are not held behind it until the whole stream ends: each goes out as it comes."""
+
+    def choice(index: int, i: int, finish: str | None = None) -> bytes:
+        return _event({"id": "c", "choices": [{"index": index, "delta": {"content": f"{i}"}, "finish_reason": finish}]})
+
+    hidden = UsageEventFilter()
+    assert hidden.feed(choice(0, 0) + choice(1, 0)) == choice(0, 0) + choice(1, 0)
+    assert hidden.feed(choice(0, 1, "stop")) == b""  # held for its fingerprint
+    for i in range(1, 4):
+        assert hidden.feed(choice(1, i)) == choice(1, i)  # as it comes
+    end = hidden.feed(choice(1, 4, "length") + USAGE + DONE)
+    stamped = [e for e in _events(end) if isinstance(e, dict)]
+    assert [e["choices"][0]["index"] for e in stamped] == [0, 1]  # type: ignore[index]
+    assert all(e["system_fingerprint"] == "fp" for e in stamped) and end.endswith(DONE)  # type: ignore[index]
+
+
 def test_a_stream_not_framed_as_sse_is_passed_through() -> None:
     hidden = UsageEventFilter()
     body = b"x" * 70_000
