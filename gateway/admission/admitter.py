@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -303,6 +304,14 @@ class Admitter:
     def answer_s(self, cost: RequestCost, key: tuple[str, ...]) -> float:
         """Seconds a request like this is expected to take from admission to its answer's end (0: unknown)."""
         return self.controller.answer_s(cost, key)
+
+    def tokens_by_now(self, reservation: Reservation) -> int | None:
+        """Output tokens an answer admitted as ``reservation`` has had time to produce, at the latest answers'
+        pace (their fastest quarter: more, not fewer); None while the pace is unknown."""
+        pace = self.controller.pace.seconds_per_token()
+        if pace is None or pace <= 0:
+            return None
+        return math.ceil((self.clock() - reservation.admitted_at) / pace)
 
     def release(self, reservation: Reservation, outcome: str) -> bool:
         """Give the reservation's blocks back and admit whoever now fits; True the first time only."""

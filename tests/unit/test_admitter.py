@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.admission.admitter import Admitter
-from gateway.admission.controller import AdmissionController, UsageSample
+from gateway.admission.controller import AdmissionController, Queued, Rejected, UsageSample
 from gateway.admission.engine import SampleMark
 from gateway.admission.queue import QueueClass
 from gateway.config import AdmissionConfig, RedisConfig
@@ -634,3 +634,29 @@ async def test_a_batched_stream_shows_its_tokens_to_the_ledger_and_is_billed_for
         assert (reservation.generated, reservation.lead_tokens) == (34, 38)
         assert reservation.generated <= 50 <= reservation.generated + reservation.lead_tokens
     assert counters.settled == [16 + 34]
+
+
+async def test_a_whole_answer_its_client_left_is_billed_what_the_engine_had_time_to_generate() -> None:
+    """A non-stream request shows no progress until its answer comes: its client gone first (an SDK timeout),
+    it is billed its prompt and the tokens the engine had time to generate at the latest answers' pace, not
+    nothing (short client timeouts would get around the token limit); with no pace known yet, its charge."""
+    policy = TenantPolicy("t", "t", RateLimits(tokens_per_minute=100_000), None, 60.0, QueueClass())
+    for paced, billed in ((True, 16 + 100), (False, 16 + 1000)):
+        admitter, clock = make()
+        if paced:
+            for _ in range(40):  # 200 tokens in 10 s, answered whole: 0.05 s per token
+                placed = admitter.controller.submit(RequestCost((16,), 1, 1000, 70), "x", 0.0)
+                assert not isinstance(placed, Queued | Rejected)
+                admitter.controller.learn(placed.reservation, 200, now=10.0)
+                admitter.controller.release(placed.reservation, 10.0)
+        counters = RecordingCounters()
+        clock.now = 100.0
+        ex = Exchange(
+            "req", ResponseWriter(_unused_send), admitter=admitter, counters=counters, metrics=admitter.metrics
+        )
+        await ex.charge_rate_limits(policy, RequestCost((16,), 1, 1000, 70))
+        await ex.admit()
+        ex.sending()
+        clock.now = 105.0  # 5 s later its client gives up: 100 tokens at that pace
+        ex.close(asyncio.CancelledError())
+        assert ex.outcome == "client_disconnect" and counters.settled == [billed]
