@@ -318,7 +318,10 @@ class TenantCounters:
                 return Slot(tp.key, "redis", member)
         if self.redis is not None:
             self._refuse_if_closed(tp)
-            limit = max(1, -(-limit // self.cfg.replicas))
+            # this replica's share, of which the slots it took in Redis and still holds are part: running
+            # requests keep them, and the share counted beside them would let twice the limit run
+            in_redis = sum(1 for key, _ in self._redis_held.values() if key == tp.key)
+            limit = max(1, -(-limit // self.cfg.replicas)) - in_redis
         return self.slots.try_acquire(tp.key, limit)
 
     def release_slot(self, slot: Slot) -> None:

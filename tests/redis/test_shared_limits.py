@@ -491,3 +491,27 @@ async def test_a_redis_clock_that_steps_back_credits_no_time_twice(redis_server:
         assert await tokens_left(1010.0, 0) == pytest.approx(1000)  # 10 s at 100 a second
     finally:
         await client.aclose()
+
+
+async def test_slots_held_in_redis_count_toward_the_share_when_it_goes_down(redis_server: RedisServer) -> None:
+    """max_concurrent 4 over 2 replicas: with Redis down each replica's share is 2, and the two it already holds
+    in Redis (their requests still running) are that share, not beside it: it grants no more until they end."""
+    limits = TenantCounters(rcfg(redis_server, replicas=2, on_failure="open"), GatewayMetrics())
+    await limits.start()
+    tp = tenant()  # max_concurrent 4
+    try:
+        held = [await limits.acquire_slot(tp, 1.0) for _ in range(2)]
+        assert all(slot is not None and slot.backend == "redis" for slot in held)
+        redis_server.kill()
+        with pytest.raises(GatewayError) as err:  # both of its share are running: it waits, and times out
+            await limits.acquire_slot(tp, 0.3)
+        assert err.value.status in (429, 503)
+        first = held[0]
+        assert first is not None
+        limits.release_slot(first)  # one ends: one of its share is free again, now held locally
+        local = await limits.acquire_slot(tp, 1.0)
+        assert local is not None and local.backend == "local"
+        limits.release_slot(local)
+    finally:
+        redis_server.start()
+        await limits.close()
