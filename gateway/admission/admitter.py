@@ -460,14 +460,14 @@ class Admitter:
         self.pump()  # a refused ticket at the head may have held back one that fits
 
     def fail_all_queued(self, error: Callable[[float], GatewayError]) -> None:
-        """Answer every queued request with ``error`` (shutdown)."""
-        now = self.clock()
+        """Answer every queued request with ``error`` (shutdown), to come back in a second (to another replica,
+        as new requests and those waiting for a tenant slot are told)."""
         for ticket_id in list(self._waiters):
             ticket, future, timer = self._waiters.pop(ticket_id)
             timer.cancel()
             self.controller.cancel(ticket)
             if not future.done():
-                future.set_exception(error(self.controller.retry_after(1, now)))
+                future.set_exception(error(1.0))
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,14 +131,25 @@ class RequestPath:
         except ClientDisconnected:
             self.metrics.client_disconnects.labels("body").inc()
         except asyncio.CancelledError:
-            if not watch.fired:
-                raise  # not a disconnect: the server itself is cancelling us
+            if not watch.fired and not self.draining():
+                raise  # not a disconnect nor the drain's end: the server itself is cancelling us
             current = asyncio.current_task()
             assert current is not None
             current.uncancel()
-            self.metrics.client_disconnects.labels(exchange.stage).inc()
+            if watch.fired:
+                self.metrics.client_disconnects.labels(exchange.stage).inc()
+            else:  # the drain's deadline passed: what still runs ends in words, a stream with an error event
+                with contextlib.suppress(OSError, ClientDisconnected):
+                    await self._ended_by_drain(writer, request_id)
         finally:
             watch.stop()
+
+    async def _ended_by_drain(self, writer: ResponseWriter, request_id: str) -> None:
+        self.metrics.rejected.labels("shutting_down").inc()
+        if not writer.started:
+            await writer.error(shutting_down(1.0), [(b"x-request-id", request_id.encode("latin-1"))])
+        elif not await writer.stream_error(shutting_down(1.0)):
+            log.warning("request %s was cut off by the end of the drain", request_id)
 
     async def inference(
         self,

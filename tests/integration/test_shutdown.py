@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -56,11 +57,12 @@ def test_drain_deadline_cuts_off_a_stream_that_would_not_end(
     gw_proc = procs[-1]
     body = {"prompt": "x", "max_tokens": 3000, "stream": True}  # would take 300 s
 
+    lines: list[str] = []
+
     def stream() -> None:
         try:
             with httpx.stream("POST", gw + "/v1/completions", json=body, timeout=60) as r:
-                for _ in r.iter_lines():
-                    pass
+                lines.extend(line for line in r.iter_lines() if line)
         except httpx.HTTPError:
             pass
 
@@ -73,3 +75,5 @@ def test_drain_deadline_cuts_off_a_stream_that_would_not_end(
     reader.join(10)
     stats = httpx.get(upstream + "/debug/stats").json()
     assert stats["active"] == 0 and len(stats["cancelled"]) == 1  # the engine was told to stop generating
+    # the client is told its answer was cut off, not left to take a short stream for a whole one
+    assert lines and json.loads(lines[-1].removeprefix("data: "))["error"]["code"] == "shutting_down"

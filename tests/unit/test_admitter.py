@@ -16,7 +16,7 @@ from gateway.admission.engine import SampleMark
 from gateway.admission.queue import QueueClass
 from gateway.config import AdmissionConfig, RedisConfig
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.errors import GatewayError
+from gateway.protocol.errors import GatewayError, shutting_down
 from gateway.server.exchange import Exchange
 from gateway.server.response import ResponseWriter
 from gateway.tenants.counters import TenantCounters
@@ -660,3 +660,22 @@ async def test_a_whole_answer_its_client_left_is_billed_what_the_engine_had_time
         clock.now = 105.0  # 5 s later its client gives up: 100 tokens at that pace
         ex.close(asyncio.CancelledError())
         assert ex.outcome == "client_disconnect" and counters.settled == [billed]
+
+
+async def test_a_drain_tells_queued_requests_to_come_back_in_a_second_as_everyone_else() -> None:
+    """SIGTERM: a queued request hears 503 shutting_down with the Retry-After new requests and those waiting
+    for a tenant slot hear (another replica takes it), not the queue's own estimate of its wait."""
+    admitter, _ = make()
+    release = asyncio.Event()
+    holder = asyncio.create_task(hold(admitter, 85, release))
+    await asyncio.sleep(0)
+    waiting = asyncio.create_task(hold(admitter, 20, release))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert len(admitter.controller.queue) == 1
+    admitter.fail_all_queued(shutting_down)
+    with pytest.raises(GatewayError) as err:
+        await waiting
+    assert (err.value.code, err.value.retry_after_s) == ("shutting_down", 1.0)
+    release.set()
+    assert await holder == "done"
