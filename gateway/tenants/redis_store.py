@@ -147,10 +147,13 @@ return 1
 """
 
 # A concurrency slot is a member of a sorted set scored by its lease expiry (ms, Redis time): a replica that
-# dies without releasing loses its slots when the lease runs out. ARGV: limit, member, lease ms.
+# dies without releasing loses its slots when the lease runs out. ARGV: limit, member, lease ms. KEYS[2], the
+# member's release mark: a release that came first (its acquire timed out on the way, was given back at once,
+# and ran late) leaves one, and the late acquire takes nothing, or its member would hold a slot for a lease.
 _ACQUIRE = """
 local key = KEYS[1]
 local limit, member, lease = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+if redis.call('DEL', KEYS[2]) == 1 then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
@@ -161,6 +164,13 @@ if redis.call('ZCARD', key) < limit then
   return 1
 end
 return 0
+"""
+
+# Give a slot back (KEYS[1] the set, KEYS[2] the member's release mark; ARGV: member, lease ms): a member not
+# there yet leaves the mark, for an acquire of it that may still be on its way (_ACQUIRE).
+_RELEASE = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then redis.call('SET', KEYS[2], '1', 'PX', ARGV[2]) end
+return 1
 """
 
 # Extend the leases of slots this replica still holds. KEYS: sets; ARGV: lease ms, then one member per key.
@@ -434,6 +444,7 @@ class RedisState:
         self._check = self._client.register_script(_CHECK)
         self._refund = self._client.register_script(_REFUND)
         self._acquire = self._client.register_script(_ACQUIRE)
+        self._release = self._client.register_script(_RELEASE)
         self._renew = self._client.register_script(_RENEW)
         self._claim = self._client.register_script(_CLAIM)
         self._restate = self._client.register_script(_RESTATE)
@@ -557,11 +568,17 @@ class RedisState:
 
     async def acquire(self, key: str, limit: int, member: str) -> bool:
         lease_ms = int(self.cfg.slot_lease_s * 1000)
-        got = await self._call(lambda: self._acquire(keys=[self.key("slots", key)], args=[limit, member, lease_ms]))
+        keys = [self.key("slots", key), self._release_mark(key, member)]
+        got = await self._call(lambda: self._acquire(keys=keys, args=[limit, member, lease_ms]))
         return int(got) == 1
 
     async def release(self, key: str, member: str) -> None:
-        await self._call(lambda: self._client.zrem(self.key("slots", key), member))
+        lease_ms = int(self.cfg.slot_lease_s * 1000)
+        keys = [self.key("slots", key), self._release_mark(key, member)]
+        await self._call(lambda: self._release(keys=keys, args=[member, lease_ms]))
+
+    def _release_mark(self, key: str, member: str) -> str:
+        return self.key("slot-released", f"{key}:{member}")
 
     async def renew(self, held: list[tuple[str, str]]) -> None:
         if not held:

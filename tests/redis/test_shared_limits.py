@@ -515,3 +515,22 @@ async def test_slots_held_in_redis_count_toward_the_share_when_it_goes_down(redi
     finally:
         redis_server.start()
         await limits.close()
+
+
+async def test_a_slot_given_back_before_its_late_acquire_ran_is_not_taken(redis_server: RedisServer) -> None:
+    """An acquire timed out on its way, so its slot was given back at once; the acquire then ran late. It takes
+    nothing (the release left a mark): it would have held one of the tenant's slots on every replica for a
+    lease with no request behind it. A release of a slot that was taken leaves no mark."""
+    state = RedisState(rcfg(redis_server))
+    await state.start()
+    admin = aioredis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        await state.release("late", "r1:1")  # the give-back arrives first
+        assert not await state.acquire("late", 1, "r1:1")  # the late acquire takes nothing
+        assert await admin.zcard(state.key("slots", "late")) == 0
+        assert await state.acquire("late", 1, "r1:2")  # and the slot is free for the next one
+        await state.release("late", "r1:2")
+        assert not [k async for k in admin.scan_iter(match="*slot-released*")]  # taken, then given back: no mark
+    finally:
+        await admin.aclose()
+        await state.close()
