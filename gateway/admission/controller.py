@@ -255,17 +255,19 @@ class AdmissionController:
     def _pool_geometry(self) -> KvGeometry | None:
         """The block size most of the pool's tokens are in, from the engines that take requests: not one that
         is leaving, nor one ejected (dead, or restarting with another ``--block-size``: the rest would all be
-        of the "other" size and nothing placeable); failing those, from any."""
+        of the "other" size and nothing placeable); failing those, from any. Its blocks are the largest
+        engine's of that size that stays, ejected or not: a request only it can hold waits for it to be back,
+        rather than being refused as larger than any engine (a 400 no retry helps) for its backoff."""
         books = [(b, b.geometry) for b in self.engines.values() if b.geometry is not None]
-        known = [g for b, g in books if not b.leaving and not b.ejected]
-        known = known or [g for b, g in books if not b.leaving] or [g for _, g in books]
+        staying = [g for b, g in books if not b.leaving]
+        known = [g for b, g in books if not b.leaving and not b.ejected] or staying or [g for _, g in books]
         if not known:
             return None
         totals: dict[int, int] = {}
         for geometry in known:
             totals[geometry.block_size] = totals.get(geometry.block_size, 0) + geometry.num_blocks * geometry.block_size
         block_size = max(totals, key=lambda size: (totals[size], -size))
-        return max((g for g in known if g.block_size == block_size), key=lambda g: g.num_blocks)
+        return max((g for g in staying or known if g.block_size == block_size), key=lambda g: g.num_blocks)
 
     def _pool_changed(self) -> None:
         """Work out the pool's geometry again, and keep out of placement the engines whose blocks are not the

@@ -13,7 +13,7 @@ from gateway.admission.controller import AdmissionController, Admitted, Queued, 
 from gateway.admission.engine import EJECT_BASE_S, EJECT_MAX_S, SCRAPE_FAILURES_TO_EJECT
 from gateway.admission.ledger import Reservation
 from gateway.config import AdmissionConfig, OutputEstimateConfig
-from gateway.tokens.cost import KvGeometry, RequestCost
+from gateway.tokens.cost import KvGeometry, RequestCost, estimate_cost
 from gateway.upstream.pool import one_family
 
 CONFIG = AdmissionConfig(output_estimate=OutputEstimateConfig(enabled=False), exclusive_upstream=False)
@@ -251,6 +251,18 @@ def test_when_the_engines_of_the_pools_block_size_are_ejected_the_others_take_ov
     assert c.geometry == KvGeometry(16, 100) and c.engines["e0"].placeable
     placed = c.submit(req(5), "t", 1.1)
     assert isinstance(placed, Admitted) and placed.reservation.engine == "e0"
+
+
+def test_a_request_only_an_ejected_engine_can_hold_is_still_priced_against_it() -> None:
+    """The large engine is ejected for a backoff (one refused connection): the pool's blocks stay its blocks,
+    so a request only it can hold is priced and waits for it, rather than being refused as larger than every
+    engine (a 400 the SDKs do not retry)."""
+    c = pool(100, 1000)
+    c.eject("e1", 1.0)
+    assert c.engines["e1"].ejected and c.geometry == KvGeometry(16, 1000)
+    big = estimate_cost((4000,), max_tokens=1000, sequences_per_prompt=1, max_model_len=None, geometry=c.geometry)
+    assert big.blocks > 100
+    assert isinstance(c.submit(big, "t", 1.1), Queued)
 
 
 def test_with_every_engine_down_a_request_is_told_to_come_back_not_held_for_its_budget() -> None:
