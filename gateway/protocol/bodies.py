@@ -77,8 +77,9 @@ def parse_body(kind: BodyKind, raw: bytes, content_type: bytes | None = None) ->
 # with the request's charset: in UTF-7 or UTF-16 'vllm_xargs' is other bytes, so a search for it would miss it).
 _PLAIN_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii", "iso-8859-1", "latin-1", "latin1"})
 # RFC 2231's extended parameter (name*=UTF-8''vllm%5Fxargs): a name that is other bytes on the wire; RFC 7578
-# has no use for it in a form, and a parser that decodes it would read a field the search above cannot see
-_EXTENDED_NAME = re.compile(rb"name\s*\*", re.IGNORECASE)
+# has no use for it in a form, and a parser that decodes it would read a field the search above cannot see.
+# The parameter exactly: not filename*= (which .NET's HttpClient sends with every file).
+_EXTENDED_NAME = re.compile(rb"(?<![\w-])name\s*\*\s*=", re.IGNORECASE)
 
 
 def refuse_form_engine_controls(raw: bytes, content_type: bytes | None = None) -> None:
@@ -97,7 +98,13 @@ def refuse_form_engine_controls(raw: bytes, content_type: bytes | None = None) -
                     f"An audio form in charset '{charset}' is not accepted through this gateway: send it in UTF-8.",
                     param="content-type",
                 )
-    if b"vllm_xargs" in raw or _EXTENDED_NAME.search(raw):
+    if _EXTENDED_NAME.search(raw):
+        raise bad_request(
+            "A form field named in RFC 2231's encoded form (name*=) is not accepted through this gateway: name it "
+            'plainly (name="...").',
+            param="content-disposition",
+        )
+    if b"vllm_xargs" in raw:
         raise bad_request(
             "'vllm_xargs' is not accepted on the audio routes through this gateway (it can steer the engine's KV "
             "cache transfers): leave it out.",

@@ -343,13 +343,25 @@ def test_an_audio_form_that_names_vllm_xargs_is_refused_whatever_its_layout() ->
         _audio_form(vllm_xargs='{"my_plugin": 1}'),
         _audio_form(vllm_xargs="not json"),
         b'--b\r\nContent-Disposition: form-data; name = "vllm_xargs"\r\nX-Pad: a\nb\r\n\r\n{"x": NaN}\r\n--b--\r\n',
-        # RFC 2231's encoded name: not the bytes searched for, and some multipart parsers decode it
-        b"--b\r\nContent-Disposition: form-data; name*=UTF-8''vllm%5Fxargs\r\n\r\n{\"kv_transfer_params\": 1}\r\n--b--",
-        b"--b\r\nContent-Disposition: form-data; NAME *=utf-8''vllm%5fxargs\r\n\r\n{}\r\n--b--",
     ):
         with pytest.raises(GatewayError) as err:
             parse_body("audio", body)
         assert err.value.status == 400 and err.value.param == "vllm_xargs"
+    # RFC 2231's encoded name: not the bytes searched for, and some multipart parsers decode it
+    for body in (
+        b"--b\r\nContent-Disposition: form-data; name*=UTF-8''vllm%5Fxargs\r\n\r\n{\"kv_transfer_params\": 1}\r\n--b--",
+        b"--b\r\nContent-Disposition: form-data;NAME *= utf-8''vllm%5fxargs\r\n\r\n{}\r\n--b--",
+    ):
+        with pytest.raises(GatewayError) as err:
+            parse_body("audio", body)
+        assert err.value.status == 400 and err.value.param == "content-disposition"
+    # but a file's encoded name (.NET's HttpClient sends filename*= with every file), or a prompt that says
+    # "name *", is no field name
+    dotnet = (
+        b"--b\r\nContent-Disposition: form-data; name=file; filename=a.wav; filename*=utf-8''a.wav\r\n\r\n"
+        b"RIFF\r\n--b\r\nContent-Disposition: form-data; name=prompt\r\n\r\nthe name * is a glob\r\n--b--"
+    )
+    assert parse_body("audio", dotnet).min_tokens > 0
     form = _audio_form(model="w")
     for charset in (b"utf-7", b'"UTF-16"', b"cp500"):
         with pytest.raises(GatewayError) as err:
