@@ -232,8 +232,11 @@ class Exchange:
                 # an answer sent whole, its client gone before it came: what the engine had time to generate
                 # (unknown: as charged), not nothing, or a short client timeout would get around the limit
                 by_now = None if self.admission is None else self._admitter.tokens_by_now(self.admission.reservation)
-                generated, whole_answer = (by_now, False) if by_now is not None else (0, True)
-            used = tokens_used(self.cost, self.usage, generated, self.reached_engine, whole_answer)
+                if by_now is None:
+                    whole_answer = True  # billed as charged
+                else:  # every sequence had that time
+                    generated, whole_answer = by_now * self.cost.num_sequences, False
+            used = tokens_used(self.cost, self.usage, generated, self.reached_engine, whole_answer, self.charge.tokens)
             self._counters.settle(self.charge, used, self.reached_engine)
             if self.usage is not None and self.reached_engine:
                 self._metrics.prompt_tokens_estimated.inc(sum(self.cost.prompt_tokens))

@@ -45,17 +45,23 @@ def stream_lead(events: int, stream_interval: int, sequences: int = 1, opening: 
 
 
 def tokens_used(
-    cost: RequestCost, usage: Usage | None, generated: int, reached_engine: bool, whole_answer: bool = False
+    cost: RequestCost,
+    usage: Usage | None,
+    generated: int,
+    reached_engine: bool,
+    whole_answer: bool = False,
+    charged: int | None = None,
 ) -> int:
-    """Tokens to bill, never more than was pre-charged. ``generated``: output tokens streamed (at least; see
-    :func:`tokens_streamed`). ``whole_answer``: a 200 answered in one piece (not a stream), whose length without
-    ``usage`` is unknown, not zero: billed as charged."""
+    """Tokens to bill, never more than the request's whole charge (:attr:`RequestCost.charge_tokens`).
+    ``generated``: output tokens streamed (at least; see :func:`tokens_streamed`). ``whole_answer``: a 200
+    answered in one piece (not a stream), whose length without ``usage`` is unknown, not zero: billed as
+    ``charged``, what its rate limit took (a minute's allowance at most), not the rest of the budget besides."""
     if not reached_engine:
         used = 0
     elif usage is not None:
         used = usage.prompt_tokens + usage.completion_tokens
     elif whole_answer:
-        used = cost.charge_tokens
+        used = cost.charge_tokens if charged is None else charged
     elif generated == 0:
         used = 0  # disconnected or failed before the first token: nothing to bill
     else:

@@ -639,9 +639,11 @@ async def test_a_batched_stream_shows_its_tokens_to_the_ledger_and_is_billed_for
 async def test_a_whole_answer_its_client_left_is_billed_what_the_engine_had_time_to_generate() -> None:
     """A non-stream request shows no progress until its answer comes: its client gone first (an SDK timeout),
     it is billed its prompt and the tokens the engine had time to generate at the latest answers' pace, not
-    nothing (short client timeouts would get around the token limit); with no pace known yet, its charge."""
-    policy = TenantPolicy("t", "t", RateLimits(tokens_per_minute=100_000), None, 60.0, QueueClass())
-    for paced, billed in ((True, 16 + 100), (False, 16 + 1000)):
+    nothing (short client timeouts would get around the token limit); with no pace known yet, its charge.
+    Every sequence of an n > 1 request had that time."""
+    for paced, billed, tpm in ((True, 16 + 100, 100_000), (False, 16 + 1000, 100_000), (False, 500, 500)):
+        # the last: its charge cut to a minute's allowance, and billed that much, not its whole budget as a debt
+        policy = TenantPolicy("t", "t", RateLimits(tokens_per_minute=tpm), None, 60.0, QueueClass())
         admitter, clock = make()
         if paced:
             for _ in range(40):  # 200 tokens in 10 s, answered whole: 0.05 s per token
@@ -679,3 +681,22 @@ async def test_a_drain_tells_queued_requests_to_come_back_in_a_second_as_everyon
     assert (err.value.code, err.value.retry_after_s) == ("shutting_down", 1.0)
     release.set()
     assert await holder == "done"
+
+
+async def test_a_whole_answer_of_several_sequences_its_client_left_is_billed_for_each() -> None:
+    admitter, clock = make()
+    for _ in range(40):  # 0.05 s per token
+        placed = admitter.controller.submit(RequestCost((16,), 1, 1000, 70), "x", 0.0)
+        assert not isinstance(placed, Queued | Rejected)
+        admitter.controller.learn(placed.reservation, 200, now=10.0)
+        admitter.controller.release(placed.reservation, 10.0)
+    counters = RecordingCounters()
+    policy = TenantPolicy("t", "t", RateLimits(tokens_per_minute=100_000), None, 60.0, QueueClass())
+    clock.now = 100.0
+    ex = Exchange("req", ResponseWriter(_unused_send), admitter=admitter, counters=counters, metrics=admitter.metrics)
+    await ex.charge_rate_limits(policy, RequestCost((16,), 3, 1000, 70))  # n=3
+    await ex.admit()
+    ex.sending()
+    clock.now = 105.0
+    ex.close(asyncio.CancelledError())
+    assert counters.settled == [16 + 3 * 100]
