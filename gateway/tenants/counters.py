@@ -51,13 +51,15 @@ class Charge:
     id: str = ""  # names a Redis charge: its refund gives back at most what it took, once
 
 
-def _charged(tokens: int, least: int, rates: RateLimits) -> int:
-    """See :func:`token_charge`: what is charged against ``rates``, or 400 when nothing ever could be."""
-    amount = token_charge(tokens, least, rates)
-    if amount is None:
-        assert rates.tokens_per_minute is not None
-        raise request_too_large(least, rates.tokens_per_minute)
-    return amount
+def _charged(tokens: int, least: int, rates: RateLimits, limits: RateLimits) -> int:
+    """See :func:`token_charge`: what is charged against ``rates`` (the tenant's ``limits``, or this replica's
+    share of them while Redis is down: at most a minute's allowance of those), or 400 when ``limits`` could
+    never let it in. Not the share: a request the tenant's limit holds is not refused for good for an outage."""
+    if token_charge(tokens, least, limits) is None:
+        assert limits.tokens_per_minute is not None
+        raise request_too_large(least, limits.tokens_per_minute)
+    cap = rates.tokens_per_minute
+    return min(tokens, cap) if cap else tokens
 
 
 class TenantCounters:
@@ -138,7 +140,7 @@ class TenantCounters:
         charge: Charge | None = None
         if self.redis is not None and self.redis.healthy:
             charge_id = str(next(self._charge_ids))
-            amount = _charged(tokens, least, tp.rates)
+            amount = _charged(tokens, least, tp.rates, tp.rates)
             try:
                 decision = await self.redis.check(tp.key, tp.rates, amount, charge_id)
                 charge = Charge(tp.key, tp.rates, amount, "redis", decision, charge_id)
@@ -152,7 +154,7 @@ class TenantCounters:
             if self.redis is not None:
                 self._refuse_if_closed(tp)
                 rates = rates.scaled(self.cfg.replicas)
-            amount = _charged(tokens, least, rates)
+            amount = _charged(tokens, least, rates, tp.rates)
             charge = Charge(tp.key, rates, amount, "local", self.local.check(tp.key, amount, self.clock(), rates))
         decision = charge.decision
         if not decision.allowed:

@@ -534,3 +534,23 @@ async def test_a_slot_given_back_before_its_late_acquire_ran_is_not_taken(redis_
     finally:
         await admin.aclose()
         await state.close()
+
+
+async def test_while_redis_is_down_a_request_the_tenants_limit_holds_is_not_refused_for_good(
+    redis_server: RedisServer,
+) -> None:
+    """1,000 tokens per minute over 2 replicas: with Redis down this replica's share is 500. A request that is
+    billed at least 700 fits the tenant's limit: charged the share's minute (the rest is a debt), not a 400
+    request_too_large; only what the tenant's own limit could never hold is."""
+    limits = TenantCounters(rcfg(redis_server, replicas=2, on_failure="open"), GatewayMetrics())
+    await limits.start()
+    try:
+        redis_server.kill()
+        charge = await limits.check(tenant(), 5_000, least=700)
+        assert (charge.backend, charge.tokens) == ("local", 500)
+        with pytest.raises(GatewayError) as err:
+            await limits.check(tenant(), 5_000, least=1_001)
+        assert err.value.code == "request_too_large" and "1000 tokens per minute" in err.value.message
+    finally:
+        redis_server.start()
+        await limits.close()
