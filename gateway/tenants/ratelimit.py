@@ -53,7 +53,7 @@ class TokenBucket:
         used = self.capacity - self.level
         self.capacity = capacity
         self.rate = capacity / self.period_s
-        self.level = max(0.0, min(capacity, capacity - used))
+        self.level = min(capacity, capacity - used)  # below 0 still: a debt is not forgiven by a reload
 
     def reset_after(self, now: float) -> float:
         """Seconds until the bucket is full again."""

@@ -77,6 +77,7 @@ class Scraper:
         self.on_model = on_model
         self._discovery_headers = engine_headers(api_key)
         self._discovery_warned: set[int] = set()  # statuses /v1/models answered that were logged already
+        self._model_stale = True  # /v1/models to be read (again): at start, after a restart or a failure
 
     def subscribe(self, subscriber: SampleSubscriber) -> None:
         self.subscribers.append(subscriber)
@@ -132,8 +133,10 @@ class Scraper:
         self._count_preemptions(engine.preemptions)
         # asked again whenever the engine may have come back another (restarted, or answering again after a
         # failure: a rolling update's new --max-model-len or model), not only until it first answers
-        if self.model.id is None or recovered or (previous is not None and sample.restarted_since(previous)):
-            await self.discover_model()
+        if recovered or (previous is not None and sample.restarted_since(previous)):
+            self._model_stale = True
+        if self._model_stale:
+            await self.discover_model()  # until it answers: one failed read does not keep the old model
         return True
 
     def _count_preemptions(self, preemptions: float) -> None:
@@ -165,6 +168,7 @@ class Scraper:
             first = data[0]
             names = tuple(m["id"] for m in data if isinstance(m.get("id"), str) and not m.get("parent"))
             self.model = ModelInfo(first.get("id"), first.get("max_model_len"), first.get("root"), names)
+            self._model_stale = False
             if self.on_model is not None:
                 await self.on_model(self.model)
 

@@ -130,7 +130,7 @@ async def test_an_engine_that_restarts_is_asked_again_what_it_serves(scraper: Ca
     """A sidecar's engine restarted on the same address with a longer --max-model-len (its process start time
     changed), or answered again after failing: its /v1/models is read again, not kept from its first answer
     (kvgate refused what now fits, and priced a chat without max_tokens at the old context's rest)."""
-    state = {"started": 1000.0, "max_model_len": 2048, "up": True}
+    state = {"started": 1000.0, "max_model_len": 2048, "up": True, "models_up": True}
 
     async def metrics(_: web.Request) -> web.Response:
         if not state["up"]:
@@ -142,6 +142,8 @@ async def test_an_engine_that_restarts_is_asked_again_what_it_serves(scraper: Ca
         return web.Response(text=text)
 
     async def models(_: web.Request) -> web.Response:
+        if not state["models_up"]:
+            return web.Response(status=500)
         return web.json_response({"data": [{"id": "m", "max_model_len": state["max_model_len"], "parent": None}]})
 
     app = web.Application()
@@ -156,7 +158,9 @@ async def test_an_engine_that_restarts_is_asked_again_what_it_serves(scraper: Ca
         assert await s.scrape_once() and s.model.max_model_len == 2048
         state["max_model_len"] = 300_000
         assert await s.scrape_once() and s.model.max_model_len == 2048  # the same process: not asked again
-        state["started"] = 2000.0  # restarted between two scrapes
+        state["started"], state["models_up"] = 2000.0, False  # restarted between two scrapes, not quite up
+        assert await s.scrape_once() and s.model.max_model_len == 2048
+        state["models_up"] = True  # asked again until it answers, not once
         assert await s.scrape_once() and s.model.max_model_len == 300_000
         state["up"], state["max_model_len"] = False, 4096
         assert not await s.scrape_once()

@@ -117,4 +117,6 @@ def test_a_charge_cut_to_a_minutes_allowance_takes_what_it_used_beyond_as_a_debt
     limiter.settle("k", charged, 3000, 0.0)  # 2,000 more than charged
     refused = limiter.check("k", 10, 0.0, rates)
     assert not refused.allowed and refused.retry_after_s == pytest.approx(120.6)  # 2,010 at 1,000 a minute
+    resized = RateLimits(tokens_per_minute=2000)  # a reload doubles the limit: the debt is not forgiven
+    assert limiter.check("k", 10, 0.0, resized).retry_after_s == pytest.approx(30.3)  # 1,010 at 2,000 a minute
     assert limiter.check("k", 10, 121.0, rates).allowed
