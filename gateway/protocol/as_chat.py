@@ -40,15 +40,18 @@ def responses_messages(body: dict[str, Any]) -> list[Message]:
     history, which only the engine has, is not counted."""
     messages: list[Message] = []
     instructions = body.get("instructions")
-    if instructions:
-        if not isinstance(instructions, str):
-            raise bad_request("'instructions' must be a string.", param="instructions")
-        messages.append({"role": "system", "content": instructions})
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("'instructions' must be a string.", param="instructions")
     previous = body.get("previous_input_messages")
-    if previous is not None:
-        if not isinstance(previous, list):
-            raise bad_request("'previous_input_messages' must be an array.", param="previous_input_messages")
-        messages.extend(_previous_message(item, f"previous_input_messages[{i}]") for i, item in enumerate(previous))
+    if previous is not None and not isinstance(previous, list):
+        raise bad_request("'previous_input_messages' must be an array.", param="previous_input_messages")
+    history = [_previous_text(item, f"previous_input_messages[{i}]") for i, item in enumerate(previous or [])]
+    # the history as the text of one leading system turn, after the instructions: priced, and a shape every
+    # chat template takes (its turns as turns could break a template's alternation, for a model that ignores
+    # them: only a harmony model renders them)
+    system = "\n\n".join(text for text in [instructions or "", *history] if text)
+    if system:
+        messages.append({"role": "system", "content": system})
     items = body.get("input")
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
@@ -139,13 +142,9 @@ def _from_item(item: dict[str, Any], previous: Message | None, where: str) -> Me
     raise bad_request(f"Unsupported input item type: {kind}", param="input")
 
 
-_CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-def _previous_message(item: Any, where: str) -> Message:
-    """One message of ``previous_input_messages``, in chat (``role``) or harmony (``author.role``) form, as a
-    chat message of its whole text (every text part; any other content as its JSON): priced, never less than
-    it is. Roles a chat template may not take alone (tool) count as the user's."""
+def _previous_text(item: Any, where: str) -> str:
+    """One message of ``previous_input_messages``, in chat (``role``) or harmony (``author.role``) form, as its
+    role and whole text (every text part; any other content as its JSON): priced, never less than it is."""
     if not isinstance(item, dict):
         raise bad_request(f"{where} must be an object.", param=where)
     author = item.get("author")
@@ -160,7 +159,7 @@ def _previous_message(item: Any, where: str) -> Message:
         )
     else:
         text = "" if content is None else json.dumps(content, ensure_ascii=False)
-    return {"role": _CHAT_ROLES.get(role, "user") if isinstance(role, str) else "user", "content": text}
+    return f"{role if isinstance(role, str) else 'user'}: {text}"
 
 
 def _first_text(parts: Any) -> str:

@@ -121,27 +121,20 @@ def test_responses_items_become_what_vllm_renders() -> None:
 
 def test_a_history_sent_in_previous_input_messages_is_priced_before_the_input() -> None:
     """vLLM's previous_input_messages (a harmony model such as gpt-oss renders them before the input; chat or
-    harmony form): every text counted, in the order the engine shows them, so a small input cannot carry a long
-    unpriced history past admission."""
+    harmony form): every text counted, as one leading system turn after the instructions (a shape any chat
+    template takes), so a small input cannot carry a long unpriced history past admission."""
     history = [
         {"role": "user", "content": "Long question " * 500},
-        {
-            "author": {"role": "assistant"},
-            "content": [{"type": "text", "text": "Long answer " * 500}],
-            "channel": "final",
-        },
+        {"author": {"role": "assistant"}, "content": [{"type": "text", "text": "Long answer " * 500}]},
         {"author": {"role": "tool", "name": "functions.look"}, "content": [{"type": "text", "text": "seen"}, {"x": 1}]},
         {"role": "developer", "content": None},
     ]
-    messages, _ = parsed("responses", {"instructions": "Be brief.", "previous_input_messages": history, "input": ""})
-    assert messages == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Long question " * 500},
-        {"role": "assistant", "content": "Long answer " * 500},
-        {"role": "user", "content": 'seen\n{"x": 1}'},  # a tool's turn, with every part: never less than sent
-        {"role": "system", "content": ""},
-        {"role": "user", "content": ""},
-    ]
+    messages, _ = parsed("responses", {"instructions": "Be brief.", "previous_input_messages": history, "input": "hi"})
+    turns = ["Be brief.", "user: " + "Long question " * 500, "assistant: " + "Long answer " * 500]
+    turns += ['tool: seen\n{"x": 1}', "developer: "]  # every part: never less than sent
+    assert messages == [{"role": "system", "content": "\n\n".join(turns)}, {"role": "user", "content": "hi"}]
+    alone, _ = parsed("responses", {"previous_input_messages": [{"role": "user", "content": "q"}], "input": "hi"})
+    assert alone == [{"role": "system", "content": "user: q"}, {"role": "user", "content": "hi"}]
     for bad in ({"previous_input_messages": "x"}, {"previous_input_messages": ["x"]}):
         with pytest.raises(GatewayError) as err:
             parsed("responses", {"input": "hi", **bad})
