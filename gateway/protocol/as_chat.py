@@ -46,12 +46,8 @@ def responses_messages(body: dict[str, Any]) -> list[Message]:
     if previous is not None and not isinstance(previous, list):
         raise bad_request("'previous_input_messages' must be an array.", param="previous_input_messages")
     history = [_previous_text(item, f"previous_input_messages[{i}]") for i, item in enumerate(previous or [])]
-    # the history as the text of one leading system turn, after the instructions: priced, and a shape every
-    # chat template takes (its turns as turns could break a template's alternation, for a model that ignores
-    # them: only a harmony model renders them)
-    system = "\n\n".join(text for text in [instructions or "", *history] if text)
-    if system:
-        messages.append({"role": "system", "content": system})
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
     items = body.get("input")
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
@@ -64,7 +60,28 @@ def responses_messages(body: dict[str, Any]) -> list[Message]:
                 messages.append(message)
     elif items is not None:
         raise bad_request("'input' must be a string or an array of items.", param="input")
+    if any(history):
+        _fold_history(messages, "\n\n".join(history))
     return messages
+
+
+def _fold_history(messages: list[Message], history: str) -> None:
+    """The text of ``previous_input_messages`` at the head of the first user turn: priced, in no turn of its
+    own (a template that rejects a system turn, or turns out of alternation, would refuse a request vLLM
+    serves: only a harmony model renders the field); a system turn only when there is no user turn."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if message.get("role") != "user":
+            continue
+        if isinstance(content, str) or content is None:
+            messages[i] = {**message, "content": history + "\n\n" + (content or "")}
+            return
+        if isinstance(content, list):
+            messages[i] = {**message, "content": [{"type": "text", "text": history}, *content]}
+            return
+    messages.insert(
+        1 if messages and messages[0].get("role") == "system" else 0, {"role": "system", "content": history}
+    )
 
 
 def responses_tools(body: dict[str, Any]) -> list[Any] | None:

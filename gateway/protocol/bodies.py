@@ -78,8 +78,9 @@ def parse_body(kind: BodyKind, raw: bytes, content_type: bytes | None = None) ->
 _PLAIN_CHARSETS = frozenset({"utf-8", "utf8", "us-ascii", "ascii", "iso-8859-1", "latin-1", "latin1"})
 # RFC 2231's extended parameter (name*=UTF-8''vllm%5Fxargs): a name that is other bytes on the wire; RFC 7578
 # has no use for it in a form, and a parser that decodes it would read a field the search above cannot see.
-# The parameter exactly: not filename*= (which .NET's HttpClient sends with every file).
-_EXTENDED_NAME = re.compile(rb"(?<![\w-])name\s*\*\s*=", re.IGNORECASE)
+# The parameter exactly, whole (name*=) or in numbered pieces a parser joins (name*0=, name*1*=): not
+# filename*= (which .NET's HttpClient sends with every file).
+_EXTENDED_NAME = re.compile(rb"(?<![\w-])name\s*\*\s*(?:\d+\s*\*?\s*)?=", re.IGNORECASE)
 
 
 def refuse_form_engine_controls(raw: bytes, content_type: bytes | None = None) -> None:
@@ -100,7 +101,8 @@ def refuse_form_engine_controls(raw: bytes, content_type: bytes | None = None) -
                 )
     if _EXTENDED_NAME.search(raw):
         raise bad_request(
-            "A form field named in RFC 2231's encoded form (name*=) is not accepted through this gateway: name it "
+            "A form field named in RFC 2231's encoded form (name*=, name*0=) is not accepted through this gateway: "
+            "name it "
             'plainly (name="...").',
             param="content-disposition",
         )

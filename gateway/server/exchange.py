@@ -234,8 +234,9 @@ class Exchange:
                 by_now = None if self.admission is None else self._admitter.tokens_by_now(self.admission.reservation)
                 if by_now is None:
                     whole_answer = True  # billed as charged
-                else:  # every sequence had that time
-                    generated, whole_answer = by_now * self.cost.num_sequences, False
+                else:  # every sequence had that time, within its own budget
+                    generated = sum(min(by_now, budget) for budget in self.cost.output_budgets)
+                    generated, whole_answer = generated * self.cost.sequences_per_prompt, False
             used = tokens_used(self.cost, self.usage, generated, self.reached_engine, whole_answer, self.charge.tokens)
             self._counters.settle(self.charge, used, self.reached_engine)
             if self.usage is not None and self.reached_engine:

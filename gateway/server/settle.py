@@ -60,8 +60,8 @@ def tokens_used(
         used = 0
     elif usage is not None:
         used = usage.prompt_tokens + usage.completion_tokens
-    elif whole_answer:
-        used = cost.charge_tokens if charged is None else charged
+    elif whole_answer:  # and never less than it takes whatever it generates (a charge cut to a replica's share)
+        used = cost.charge_tokens if charged is None else max(charged, cost.least_charge_tokens)
     elif generated == 0:
         used = 0  # disconnected or failed before the first token: nothing to bill
     else:

@@ -53,7 +53,8 @@ class TokenBucket:
         used = self.capacity - self.level
         self.capacity = capacity
         self.rate = capacity / self.period_s
-        self.level = min(capacity, capacity - used)  # below 0 still: a debt is not forgiven by a reload
+        # what was used carries over, down to 0; below 0, only a debt there was (a cut limit is no new debt)
+        self.level = min(capacity, max(min(self.level, 0.0), capacity - used))
 
     def reset_after(self, now: float) -> float:
         """Seconds until the bucket is full again."""

@@ -61,7 +61,7 @@ local function level(lvl, ts, old, cap)
   if old <= 0 then return cap end
   if now > ts then lvl = lvl + (now - ts) * old / 60 end
   lvl = math.min(old, lvl)
-  if old ~= cap then lvl = math.min(cap, cap - (old - lvl)) end  -- a debt stays one
+  if old ~= cap then lvl = math.min(cap, math.max(math.min(lvl, 0), cap - (old - lvl))) end  -- a debt stays one
   return lvl
 end
 local r, tk = level(v[1], v[2], v[3], rpm), level(v[4], v[5], v[6], tpm)

@@ -554,3 +554,20 @@ async def test_while_redis_is_down_a_request_the_tenants_limit_holds_is_not_refu
     finally:
         redis_server.start()
         await limits.close()
+
+
+async def test_a_reload_that_cuts_the_limit_keeps_a_debt_and_makes_none(redis_server: RedisServer) -> None:
+    """As TokenBucket.resize: 900 of 1,000 used, the limit cut to 100 a minute: the bucket is empty, not 800 in
+    debt (a wait of 6 s for 10 tokens, not 8 minutes); a debt there was stays one at the new size."""
+    state = RedisState(rcfg(redis_server))
+    await state.start()
+    try:
+        assert (await state.check("cut", RateLimits(None, 1000), 900, "c1")).allowed
+        refused = await state.check("cut", RateLimits(None, 100), 10)
+        assert not refused.allowed and refused.retry_after_s == pytest.approx(6.0, abs=0.2)
+        assert (await state.check("debt", RateLimits(None, 1000), 1000, "c2")).allowed
+        await state.refund("debt", RateLimits(None, 1000), "c2", -2000)  # used 2,000 beyond its charge
+        refused = await state.check("debt", RateLimits(None, 2000), 10)  # doubled: 1,010 at 2,000 a minute
+        assert not refused.allowed and refused.retry_after_s == pytest.approx(30.3, abs=0.5)
+    finally:
+        await state.close()

@@ -699,4 +699,12 @@ async def test_a_whole_answer_of_several_sequences_its_client_left_is_billed_for
     ex.sending()
     clock.now = 105.0
     ex.close(asyncio.CancelledError())
-    assert counters.settled == [16 + 3 * 100]
+    capped = Exchange(
+        "r2", ResponseWriter(_unused_send), admitter=admitter, counters=counters, metrics=admitter.metrics
+    )
+    await capped.charge_rate_limits(policy, RequestCost((16,), 3, 40, 10))  # max_tokens 40: no sequence runs past
+    await capped.admit()
+    capped.sending()
+    clock.now = 110.0
+    capped.close(asyncio.CancelledError())
+    assert counters.settled == [16 + 3 * 100, 16 + 3 * 40]

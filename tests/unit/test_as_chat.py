@@ -121,8 +121,9 @@ def test_responses_items_become_what_vllm_renders() -> None:
 
 def test_a_history_sent_in_previous_input_messages_is_priced_before_the_input() -> None:
     """vLLM's previous_input_messages (a harmony model such as gpt-oss renders them before the input; chat or
-    harmony form): every text counted, as one leading system turn after the instructions (a shape any chat
-    template takes), so a small input cannot carry a long unpriced history past admission."""
+    harmony form): every text counted, at the head of the first user turn, so a small input cannot carry a long
+    unpriced history past admission, and in no turn of its own: a template that refuses a system turn (Gemma)
+    or turns out of alternation renders it (vLLM ignores the field for such models, and serves the request)."""
     history = [
         {"role": "user", "content": "Long question " * 500},
         {"author": {"role": "assistant"}, "content": [{"type": "text", "text": "Long answer " * 500}]},
@@ -130,11 +131,17 @@ def test_a_history_sent_in_previous_input_messages_is_priced_before_the_input() 
         {"role": "developer", "content": None},
     ]
     messages, _ = parsed("responses", {"instructions": "Be brief.", "previous_input_messages": history, "input": "hi"})
-    turns = ["Be brief.", "user: " + "Long question " * 500, "assistant: " + "Long answer " * 500]
+    turns = ["user: " + "Long question " * 500, "assistant: " + "Long answer " * 500]
     turns += ['tool: seen\n{"x": 1}', "developer: "]  # every part: never less than sent
-    assert messages == [{"role": "system", "content": "\n\n".join(turns)}, {"role": "user", "content": "hi"}]
-    alone, _ = parsed("responses", {"previous_input_messages": [{"role": "user", "content": "q"}], "input": "hi"})
-    assert alone == [{"role": "system", "content": "user: q"}, {"role": "user", "content": "hi"}]
+    folded = "\n\n".join(turns)
+    assert messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": folded + "\n\nhi"}]
+    parts = [{"type": "input_text", "text": "and now?"}]
+    body = {"previous_input_messages": history[:1], "input": [{"role": "user", "content": parts}]}
+    messages, _ = parsed("responses", body)
+    assert messages == [{"role": "user", "content": [{"type": "text", "text": turns[0]}, *parts]}]
+    body = {"previous_input_messages": history[:1], "input": [{"type": "function_call_output", "call_id": "c"}]}
+    messages, _ = parsed("responses", body)  # no user turn to fold it into: a system turn, first
+    assert messages[0] == {"role": "system", "content": turns[0]}
     for bad in ({"previous_input_messages": "x"}, {"previous_input_messages": ["x"]}):
         with pytest.raises(GatewayError) as err:
             parsed("responses", {"input": "hi", **bad})

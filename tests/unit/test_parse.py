@@ -351,6 +351,9 @@ def test_an_audio_form_that_names_vllm_xargs_is_refused_whatever_its_layout() ->
     for body in (
         b"--b\r\nContent-Disposition: form-data; name*=UTF-8''vllm%5Fxargs\r\n\r\n{\"kv_transfer_params\": 1}\r\n--b--",
         b"--b\r\nContent-Disposition: form-data;NAME *= utf-8''vllm%5fxargs\r\n\r\n{}\r\n--b--",
+        # in numbered pieces, which python-multipart (through the stdlib's email parser) joins into one name
+        b'--b\r\nContent-Disposition: form-data; name*0="vllm_"; name*1="xargs"\r\n\r\n{}\r\n--b--',
+        b"--b\r\nContent-Disposition: form-data; name*0*=UTF-8''vllm%5F; name*1=xargs\r\n\r\n{}\r\n--b--",
     ):
         with pytest.raises(GatewayError) as err:
             parse_body("audio", body)

@@ -120,3 +120,6 @@ def test_a_charge_cut_to_a_minutes_allowance_takes_what_it_used_beyond_as_a_debt
     resized = RateLimits(tokens_per_minute=2000)  # a reload doubles the limit: the debt is not forgiven
     assert limiter.check("k", 10, 0.0, resized).retry_after_s == pytest.approx(30.3)  # 1,010 at 2,000 a minute
     assert limiter.check("k", 10, 121.0, rates).allowed
+    cut = RateLimiter()  # a reload that cuts the limit makes no debt of what was used within the old one
+    assert cut.check("k", 900, 0.0, rates).allowed
+    assert cut.check("k", 10, 0.0, RateLimits(tokens_per_minute=100)).retry_after_s == pytest.approx(6.0)
