@@ -435,8 +435,8 @@ class Admitter:
         self.pump()
         self._refuse_hopeless()
 
-    def scrape_failed(self, engine: str = DEFAULT_ENGINE) -> None:
-        self.controller.scrape_failed(self.clock(), engine)
+    def scrape_failed(self, engine: str = DEFAULT_ENGINE, refused: bool = False) -> None:
+        self.controller.scrape_failed(self.clock(), engine, refused)
         self._restate_later(engine)  # the claims' leases must outlive an outage of the engine's metrics
         self.pump()  # the stale policy may admit (or keep holding) by its own rules
 
@@ -483,8 +483,8 @@ class EngineFeed:
     def sample(self, sample: UsageSample) -> None:
         self.admitter.sample(sample, self.engine)
 
-    def scrape_failed(self) -> None:
-        self.admitter.scrape_failed(self.engine)
+    def scrape_failed(self, refused: bool = False) -> None:
+        self.admitter.scrape_failed(self.engine, refused)
 
 
 def _rounded(seconds: float | None) -> float | None:

@@ -305,10 +305,11 @@ class AdmissionController:
         )
         return verdict
 
-    def scrape_failed(self, now: float, engine: str = DEFAULT_ENGINE) -> bool:
-        """True if the failure ejected the engine (only in a pool: a lone engine keeps the stale policy)."""
+    def scrape_failed(self, now: float, engine: str = DEFAULT_ENGINE, refused: bool = False) -> bool:
+        """True if the failure ejected the engine (only in a pool: a lone engine keeps the stale policy).
+        ``refused``: its connection was refused (see :attr:`EngineBook.down`)."""
         book = self.engines.get(engine)
-        ejected = book is not None and book.scrape_failed(now, pooled=len(self.engines) > 1)
+        ejected = book is not None and book.scrape_failed(now, pooled=len(self.engines) > 1, refused=refused)
         if ejected:
             self._pool_changed()
         return ejected
@@ -361,10 +362,11 @@ class AdmissionController:
 
     def _no_engine_for(self, now: float) -> float | None:
         """Seconds until an engine of the pool may take requests again (the end of the first ejection's
-        backoff, at least 1), when none is taking any: each is ejected or leaving. None while one is (or in a
-        pool of one, which is never ejected)."""
+        backoff, at least 1), when none is taking any: each is down (ejected, and refusing connections) or
+        leaving. None while one is not (or in a pool of one, which is never ejected): an engine ejected for
+        metrics that time out under load may still be serving, and requests wait for it as for room."""
         books = self.engines.values()
-        if len(self.engines) < 2 or any(not b.ejected and not b.leaving for b in books):
+        if len(self.engines) < 2 or any(not (b.ejected and b.down) and not b.leaving for b in books):
             return None
         returns = [b.ejected_until for b in books if b.ejected_until is not None and not b.leaving]
         return max(1.0, min(returns, default=now + 1.0) - now)

@@ -114,6 +114,7 @@ class EngineBook:
         # priced in the pool's blocks, so none is placed here until its size is the pool's
         self.other_block_size = False
         self.ejected_until: float | None = None
+        self.down = False  # its latest connection (a request's, a scrape's) was refused: until a good sample
         self.rejoined_at: float | None = None
         self.ejections_in_a_row = 0
         self.scrape_failures = 0
@@ -134,6 +135,7 @@ class EngineBook:
         previous = self.sample
         self.sample = sample
         self.scrape_failures = 0
+        self.down = False
         if self.ejected_until is not None and sample.taken_at >= self.ejected_until:
             self.ejected_until = None  # healthy again after its backoff: it rejoins
             self.rejoined_at = sample.taken_at
@@ -155,9 +157,11 @@ class EngineBook:
         # is someone else's doing (traffic around the gateway), and reserving more would not help.
         return SampleVerdict(len(self.ledger) > 0 and (preempted or overshoot), lost)
 
-    def scrape_failed(self, now: float, pooled: bool) -> bool:
-        """A scrape failed; in a pool (``pooled``), the third in a row ejects the engine. True if it did."""
+    def scrape_failed(self, now: float, pooled: bool, refused: bool = False) -> bool:
+        """A scrape failed (``refused``: its connection was); in a pool (``pooled``), the third in a row ejects
+        the engine. True if it did."""
         self.scrape_failures += 1
+        self.down = refused
         if pooled and self.scrape_failures >= SCRAPE_FAILURES_TO_EJECT and not self.ejected:
             self.eject(now, "scrape")
             return True
@@ -169,6 +173,8 @@ class EngineBook:
         """Place nothing here for a backoff that doubles with each ejection in a row; returns the backoff.
         ``reason``: scrape (its metrics kept failing) or connect (it refused a request's connection)."""
         self.ejections[reason] += 1
+        if reason == "connect":
+            self.down = True
         backoff = min(EJECT_MAX_S, EJECT_BASE_S * 2.0**self.ejections_in_a_row)
         self.ejections_in_a_row += 1
         self.ejected_until = now + backoff

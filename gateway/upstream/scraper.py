@@ -36,7 +36,8 @@ class SampleSubscriber(Protocol):
 
     def sample(self, sample: UsageSample) -> None: ...
 
-    def scrape_failed(self) -> None: ...
+    def scrape_failed(self, refused: bool = False) -> None:
+        """``refused``: the engine refused the connection (down), not a slow or wrong answer (overloaded)."""
 
 
 @dataclass(slots=True)
@@ -107,8 +108,9 @@ class Scraper:
             engine = parse_engine_metrics(text)
         except (aiohttp.ClientError, TimeoutError, MetricsFormatError, ValueError) as exc:
             self._failed(f"{type(exc).__name__}: {exc}")
+            refused = isinstance(exc, aiohttp.ClientConnectorError)  # nothing listening, or no route to it
             for subscriber in self.subscribers:
-                subscriber.scrape_failed()
+                subscriber.scrape_failed(refused)
             return False
         previous = self.latest
         self.latest = sample = UsageSample(

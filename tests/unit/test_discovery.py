@@ -168,3 +168,25 @@ async def test_an_engine_that_restarts_is_asked_again_what_it_serves(scraper: Ca
         assert await s.scrape_once() and s.model.max_model_len == 4096
     finally:
         await runner.cleanup()
+
+
+async def test_a_scrape_says_whether_the_engine_refused_the_connection(
+    scraper: Callable[..., Scraper], engine: tuple[GuardedModels, str]
+) -> None:
+    """Nothing listening (a dead engine) is told apart from an answer that fails (here a 404 for /metrics: an
+    engine that is up), so a pool refuses requests at once only when its engines are down."""
+    told: list[bool] = []
+
+    class Listener:
+        def scrape_started(self) -> None: ...
+
+        def sample(self, sample: object) -> None: ...
+
+        def scrape_failed(self, refused: bool = False) -> None:
+            told.append(refused)
+
+    for url in (f"http://127.0.0.1:{free_port()}", engine[1]):
+        s = scraper(url)
+        s.subscribe(Listener())  # type: ignore[arg-type]
+        assert not await s.scrape_once()
+    assert told == [True, False]

@@ -280,6 +280,24 @@ def test_with_every_engine_down_a_request_is_told_to_come_back_not_held_for_its_
     assert isinstance(c.submit(req(5), "t", 10.1), Admitted)
 
 
+def test_engines_ejected_for_metrics_that_time_out_are_waited_for_and_those_refusing_connections_are_not() -> None:
+    """Ejected for three scrapes that timed out (an API server slow under load, perhaps still generating):
+    requests wait in the queue for them, as for room. Ejected for scrapes whose connections were refused
+    (nothing listening): the request is refused at once, to come back."""
+    slow = pool(100, 100)
+    for engine in ("e0", "e1"):
+        for _ in range(3):
+            slow.scrape_failed(1.0, engine)
+    assert all(b.ejected and not b.down for b in slow.engines.values())
+    assert isinstance(slow.submit(req(5), "t", 1.2), Queued)
+    dead = pool(100, 100)
+    for engine in ("e0", "e1"):
+        for _ in range(3):
+            dead.scrape_failed(1.0, engine, refused=True)
+    refused = dead.submit(req(5), "t", 1.2)
+    assert isinstance(refused, Rejected) and refused.reason == "no_engine"
+
+
 def test_a_request_only_an_ejected_engine_could_hold_does_not_hold_up_the_rest_of_the_pool() -> None:
     """The large engine refused a connection: a request larger than the small engine's whole pool waits for
     it to come back (not refused: it will fit then), while those behind it are served by the small engine. A
