@@ -100,7 +100,7 @@ class _Window:
         """The ``q`` quantile of every length above 0 seen, a stopped one at what it had produced: each true
         length is at least that, so this errs short (and is what is known of a key whose answers mostly run to a
         cap). None: fewer than ``min_samples`` of them."""
-        values = sorted(self._sorted[bisect.bisect_right(self._sorted, 0) :] + self.stopped)
+        values = sorted(self._sorted + self.stopped)
         values = values[bisect.bisect_right(values, 0) :]
         if len(values) < min_samples:
             return None

@@ -102,8 +102,7 @@ def refuse_form_engine_controls(raw: bytes, content_type: bytes | None = None) -
     if _EXTENDED_NAME.search(raw):
         raise bad_request(
             "A form field named in RFC 2231's encoded form (name*=, name*0=) is not accepted through this gateway: "
-            "name it "
-            'plainly (name="...").',
+            'name it plainly (name="...").',
             param="content-disposition",
         )
     if b"vllm_xargs" in raw:

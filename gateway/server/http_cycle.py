@@ -30,7 +30,7 @@ STATUS_LINE = {status: _status_line(status) for status in range(100, 600)}
 
 
 # what the server itself answers (the app never saw the request), in OpenAI's shape as every error is
-_SERVER_ERRORS: dict[int, tuple[str, str, str, float | None]] = {  # message, type, code, Retry-After
+_SERVER_ERRORS: dict[int, tuple[str, str, str | None, float | None]] = {  # message, type, code, Retry-After
     400: ("The request could not be read as HTTP/1.1.", "invalid_request_error", "bad_http_request", None),
     408: ("The request did not arrive in time.", "invalid_request_error", "request_timeout", None),
     431: ("The request head is too large.", "invalid_request_error", "request_head_too_large", None),
@@ -42,8 +42,10 @@ _SERVER_ERRORS: dict[int, tuple[str, str, str, float | None]] = {  # message, ty
 def plain_response(status: int, server_headers: bytes = b"") -> bytes:
     """A whole response from the server itself (400, 408, 431, 500, 503), OpenAI-shaped, that closes the
     connection."""
-    message, kind, code, retry_after_s = _SERVER_ERRORS.get(status, (http.HTTPStatus(status).phrase, "", "", None))
-    error = GatewayError(status, message, type=kind or "server_error", code=code or None, retry_after_s=retry_after_s)
+    message, kind, code, retry_after_s = _SERVER_ERRORS.get(
+        status, (http.HTTPStatus(status).phrase, "server_error", None, None)
+    )
+    error = GatewayError(status, message, type=kind, code=code, retry_after_s=retry_after_s)
     body = error.body()
     headers = b"".join(b"%s: %s\r\n" % pair for pair in error.headers())
     return b"".join(

@@ -52,14 +52,14 @@ class Charge:
 
 
 def _charged(tokens: int, least: int, rates: RateLimits, limits: RateLimits) -> int:
-    """See :func:`token_charge`: what is charged against ``rates`` (the tenant's ``limits``, or this replica's
-    share of them while Redis is down: at most a minute's allowance of those), or 400 when ``limits`` could
-    never let it in. Not the share: a request the tenant's limit holds is not refused for good for an outage."""
-    if token_charge(tokens, least, limits) is None:
+    """:func:`token_charge`, or 400 when the tenant's ``limits`` could never let it in (not ``rates``, a
+    replica's share while Redis is down: a request the tenant's limit holds is not refused for good for an
+    outage)."""
+    amount = token_charge(tokens, least, rates, limits)
+    if amount is None:
         assert limits.tokens_per_minute is not None
         raise request_too_large(least, limits.tokens_per_minute)
-    cap = rates.tokens_per_minute
-    return min(tokens, cap) if cap else tokens
+    return amount
 
 
 class TenantCounters:

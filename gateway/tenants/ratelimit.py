@@ -96,18 +96,19 @@ class RateLimits:
         return RateLimits(_share(self.requests_per_minute, divisor), _share(self.tokens_per_minute, divisor))
 
 
-def token_charge(full: int, least: int, rates: RateLimits) -> int | None:
+def token_charge(full: int, least: int, rates: RateLimits, limits: RateLimits | None = None) -> int | None:
     """What a request pre-charges against ``rates``' tokens per minute: ``full`` (its prompt and its whole
-    output budget) when one minute's allowance holds it; else that allowance, so long as ``least`` (what it is
-    billed whatever it generates) fits in it. A chat without max_tokens has the rest of the context as its
-    budget, more than many a tenant's minute: it waits for a whole minute's allowance rather than never being
-    let in, and what it uses beyond the charge is taken at settle (the bucket goes into debt, so the tenant's
-    next requests wait it off). None: even ``least`` is more than a minute's allowance, so no wait would ever
-    let it in."""
-    limit = rates.tokens_per_minute
-    if not limit or full <= limit:
-        return full
-    return limit if least <= limit else None
+    output budget), or a minute's allowance when that is less. A chat without max_tokens has the rest of the
+    context as its budget, more than many a tenant's minute: it waits for a whole minute's allowance rather
+    than never being let in, and what it uses beyond the charge is taken at settle (the bucket goes into debt,
+    so the tenant's next requests wait it off). None: ``least`` (what it is billed whatever it generates) is
+    more than a minute of ``limits`` (the tenant's own; ``rates`` may be a replica's share of them while Redis
+    is down), so no wait would ever let it in."""
+    limit = (limits or rates).tokens_per_minute
+    if limit and least > limit:
+        return None
+    cap = rates.tokens_per_minute
+    return min(full, cap) if cap else full
 
 
 def _share(limit: int | None, divisor: int) -> int | None:

@@ -317,8 +317,10 @@ class Forwarder:
             await writer.body(out, more=not done)
         on_progress(events)
         while not done and (chunk := await resp.next_chunk()) is not None:
-            events += (tail[-5:] + chunk).count(_EVENT)  # an event's start cut by the chunks' seam counts once
-            tail = (tail + chunk)[-_TAIL_BYTES:]
+            joined = tail + chunk
+            # from the seam on (less the marker's length, one byte short): an event's start cut by it counts once
+            events += joined.count(_EVENT, max(0, len(tail) - len(_EVENT) + 1))
+            tail = joined[-_TAIL_BYTES:]
             done = tail.endswith(_DONE)
             out = chunk if hidden is None else hidden.feed(chunk)
             if out or done:  # an event cut by the chunk's end waits for its rest
