@@ -440,10 +440,11 @@ async def test_a_charge_cut_to_a_minutes_allowance_takes_what_it_used_beyond_as_
         charge = await limits.check(tenant(), 5_000, least=100)  # tokens_per_minute 1000
         assert charge.backend == "redis" and charge.tokens == 1000
         limits.settle(charge, 3_000)  # used 3,000: 2,000 more than charged
-        for _ in range(100):  # the settle runs in the background
-            if not [k async for k in admin.scan_iter(match="*rl-charge*")]:
-                break
-            await asyncio.sleep(0.02)
+
+        async def settled() -> bool:  # it runs in the background: its charge's record goes
+            return not [k async for k in admin.scan_iter(match="*rl-charge*")]
+
+        assert await until(settled, 2.0)
         with pytest.raises(GatewayError) as err:
             await other.check(tenant(), 10, least=10)
         assert err.value.status == 429 and err.value.retry_after_s is not None
@@ -454,10 +455,11 @@ async def test_a_charge_cut_to_a_minutes_allowance_takes_what_it_used_beyond_as_
         again = await limits.check(tenant(), 5_000, least=100)
         await admin.delete(bucket)
         limits.settle(again, 1_500)
-        for _ in range(100):
-            if await admin.exists(bucket):
-                break
-            await asyncio.sleep(0.02)
+
+        async def bucket_back() -> bool:
+            return bool(await admin.exists(bucket))
+
+        assert await until(bucket_back, 2.0)
         assert float(await admin.hget(bucket, "t")) == pytest.approx(500, abs=5)  # type: ignore[arg-type]
         with pytest.raises(GatewayError) as err:
             await limits.check(tenant(), 5_000, least=1_001)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -23,6 +25,34 @@ async def read_request(reader: asyncio.StreamReader) -> None:
     head = await reader.readuntil(b"\r\n\r\n")
     length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length"))
     await reader.readexactly(length)
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def engine_answering(handle: Handler) -> AsyncIterator[Forwarder]:
+    """A fake engine that answers each connection with ``handle``, and kvgate's forwarder to it: both closed
+    afterwards."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    forwarder = Forwarder(f"http://127.0.0.1:{port}", GatewayMetrics(), timeout_s=5, connect_timeout_s=1)
+    try:
+        yield forwarder
+    finally:
+        await forwarder.close()
+        server.close()
+        await server.wait_closed()
+
+
+def recorder() -> tuple[list[dict[str, Any]], ResponseWriter]:
+    """What the client is sent, and the writer that sends it there."""
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    return sent, ResponseWriter(send)
 
 
 async def closing_server() -> tuple[asyncio.Server, list[int]]:
@@ -53,17 +83,13 @@ async def closing_server() -> tuple[asyncio.Server, list[int]]:
 
 async def call(forwarder: Forwarder, path: str = "inference") -> tuple[Any, list[dict[str, Any]]]:
     """One request through the generation path (``inference``) or a read-only route (``passthrough``)."""
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
+    sent, writer = recorder()
     body = b'{"prompt":"x"}'
     if path == "inference":
-        relayed = await forwarder.inference("/v1/completions", body, [], ResponseWriter(send), [], lambda _: None)
+        relayed = await forwarder.inference("/v1/completions", body, [], writer, [], lambda _: None)
         usage = relayed.usage
     else:
-        await forwarder.passthrough("POST", "/v1/completions", body, [], ResponseWriter(send), [])
+        await forwarder.passthrough("POST", "/v1/completions", body, [], writer, [])
         usage = parse_usage(b"".join(m.get("body", b"") for m in sent[1:]))
     return usage, sent
 
@@ -95,17 +121,9 @@ async def test_redirects_are_relayed_not_followed_and_the_target_is_sent_as_chec
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    forwarder = Forwarder(f"http://127.0.0.1:{port}", GatewayMetrics(), timeout_s=5, connect_timeout_s=1)
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await forwarder.passthrough("GET", "/v1/models?x=%2F..", b"", [], ResponseWriter(send), [])
-    await forwarder.close()
-    server.close()
+    sent, writer = recorder()
+    async with engine_answering(handle) as forwarder:
+        await forwarder.passthrough("GET", "/v1/models?x=%2F..", b"", [], writer, [])
     assert sent[0]["status"] == 307 and (b"location", b"http://evil.example/x") in sent[0]["headers"]
     assert targets == [b"/v1/models?x=%2F.."]
 
@@ -144,14 +162,9 @@ async def test_an_engine_or_ingress_refusal_is_told_in_openais_shape_with_a_retr
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    metrics = GatewayMetrics()
-    forwarder = Forwarder(f"http://127.0.0.1:{port}", metrics, timeout_s=5, connect_timeout_s=1)
-    with pytest.raises(GatewayError) as err:
-        await call(forwarder)
-    await forwarder.close()
-    server.close()
+    async with engine_answering(handle) as forwarder:
+        with pytest.raises(GatewayError) as err:
+            await call(forwarder)
     assert err.value.status == 503 and err.value.code == "engine_busy"
     assert err.value.retry_after_s == retry_after_s
 
@@ -332,18 +345,9 @@ async def test_the_forwarder_says_a_stream_that_ended_in_an_error_event_broke_of
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    forwarder = Forwarder(f"http://127.0.0.1:{port}", GatewayMetrics(), timeout_s=5, connect_timeout_s=1)
-    sent: list[dict[str, Any]] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    relayed = await forwarder.inference("/v1/chat/completions", b"{}", [], ResponseWriter(send), [], lambda _: None)
-    await forwarder.close()
-    server.close()
-    await server.wait_closed()
+    sent, writer = recorder()
+    async with engine_answering(handle) as forwarder:
+        relayed = await forwarder.inference("/v1/chat/completions", b"{}", [], writer, [], lambda _: None)
     assert relayed.broke_off and relayed.usage is None
     assert b"".join(m.get("body", b"") for m in sent[1:]) == stream
 
@@ -373,18 +377,9 @@ async def test_a_streams_events_are_counted_by_their_data_lines_wherever_the_chu
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    forwarder = Forwarder(f"http://127.0.0.1:{port}", GatewayMetrics(), timeout_s=5, connect_timeout_s=1)
-    sent: list[dict[str, Any]] = []
+    sent, writer = recorder()
     progress: list[int] = []
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await forwarder.inference("/v1/chat/completions", b"{}", [], ResponseWriter(send), [], progress.append)
-    await forwarder.close()
-    server.close()
-    await server.wait_closed()
+    async with engine_answering(handle) as forwarder:
+        await forwarder.inference("/v1/chat/completions", b"{}", [], writer, [], progress.append)
     assert b"".join(m.get("body", b"") for m in sent[1:]) == stream
     assert progress[-1] == len(events) and progress == sorted(progress)
