@@ -27,15 +27,20 @@ from tests.support.promtext import metric_sum, scrape
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(missing() is not None, reason=str(missing()))]
 
+# The burst must overfill the engine whatever its speed: at most RUNNING sequences run and QUEUE_LIMIT wait,
+# and the first of them only finishes after MAX_TOKENS decode steps, so whether the other arrivals are rejected
+# depends on N outrunning MAX_TOKENS engine steps, not on the scheduler being slower than the API server (with
+# room for 64 running sequences, a fast machine scheduled a whole burst of 32 and rejected none).
+RUNNING = 2
 QUEUE_LIMIT = 4
-N = 32  # concurrent requests: far more than the engine queues
-MAX_TOKENS = 32
+N = 32  # concurrent requests: far more than RUNNING + QUEUE_LIMIT
+MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[VllmEngine]:
     extra = ("--max-num-queued-reqs", str(QUEUE_LIMIT))
-    with VllmEngine(blocks=256, max_num_seqs=64, extra_args=extra, name="vllm-busy") as eng:
+    with VllmEngine(blocks=256, max_num_seqs=RUNNING, extra_args=extra, name="vllm-busy") as eng:
         yield eng
 
 
