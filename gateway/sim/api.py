@@ -15,7 +15,9 @@ import orjson
 # Output text: a fixed cycle of words; the simulator's tokens carry no meaning, only their count matters.
 _WORDS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", ".")
 
-BUSY_MESSAGE = "The engine is currently busy and cannot accept new requests. Please retry later."
+BUSY_MESSAGE = (
+    "The engine is currently busy and cannot accept new requests. Please try again later or on a different instance."
+)
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 # Simulator-only body field: the request's natural output length (the token that is EOS). vLLM ignores unknown
 # fields, so a load generator can send it to any backend; only the simulator acts on it.
@@ -108,13 +110,17 @@ def plan_request(
     raw_max = body.get("max_completion_tokens", body.get("max_tokens"))
     if raw_max is None and kind != "chat":
         raw_max = COMPLETIONS_DEFAULT_MAX_TOKENS  # vLLM's CompletionRequest default
-    if prompt_len >= max_model_len:
+    if prompt_len > max_model_len:
         raise ApiError(
             400,
-            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{prompt_len} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+            "the length of the input prompt.",
             "BadRequestError",
+            "input_tokens",
         )
+    if prompt_len == max_model_len:  # fits, with no room left for output
+        raise ApiError(400, "max_tokens must be at least 1, got 0.", "BadRequestError", "max_tokens")
     if raw_max is None:
         max_tokens = max_model_len - prompt_len
     else:

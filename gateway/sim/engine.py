@@ -4,7 +4,9 @@ Follows ``vllm/v1/core/sched/scheduler.py``: each step first gives running reque
 decoding sequence, a chunk for an unfinished prefill) within ``max_num_batched_tokens``; when a request needs
 a block and none is free, the lowest-priority running request (the last one, FCFS) is preempted by recompute:
 its blocks are freed and it goes back to the front of the waiting queue. Waiting requests are admitted only
-in steps without preemption, while blocks, token budget and ``max_num_seqs`` allow. The KV of the token
+in steps without preemption, while blocks (for the whole sequence so far, as vLLM's default
+``scheduler_reserve_full_isl`` checks, not just the first prefill chunk), token budget and ``max_num_seqs``
+allow. The KV of the token
 sampled in a step is written in the next step, so a sequence holds ``ceil(computed / block_size)`` blocks.
 A request finishes as ``vllm/v1/core/sched/utils.py`` ``check_stop`` decides: EOS ("stop") at its natural
 length if it has one, else (or first) at ``max_tokens`` or ``max_model_len`` ("length").
@@ -180,7 +182,9 @@ class Engine:
                 req = self.waiting[0]
                 num_new = min(req.num_tokens - req.num_computed, budget)
                 need = blocks_for(req.num_computed + num_new, self.cfg.block_size) - req.blocks
-                if need > self.pool.free:
+                # vLLM's scheduler_reserve_full_isl (on by default): a waiting request is admitted only if its
+                # whole sequence so far fits, not just its first prefill chunk
+                if blocks_for(req.num_tokens, self.cfg.block_size) - req.blocks > self.pool.free:
                     break
                 self.waiting.popleft()
                 self._grow(req, need)

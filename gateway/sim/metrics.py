@@ -152,7 +152,7 @@ class _EngineCollector(Collector):
             [
                 str(cfg.block_size),
                 "auto",
-                "True",
+                "False",  # shared prefixes are not modelled: each request holds its own blocks
                 o.engine_label,
                 str(cfg.gpu_memory_utilization),
                 str(cfg.num_gpu_blocks * cfg.block_bytes),

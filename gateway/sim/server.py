@@ -259,7 +259,7 @@ class SimServer:
             "object": "model",
             "created": int(time.time()),
             "owned_by": "vllm",
-            "root": name,
+            "root": self.cfg.model.name,  # vLLM's is what --model named: a path or a hub id
             "parent": None,
             "max_model_len": self.cfg.max_model_len,
             "permission": [{"id": "modelperm-sim", "object": "model_permission", "allow_sampling": True}],
@@ -318,9 +318,13 @@ class SimServer:
         if self.state != "ready":
             return _error(engine_dead_error())
         limit = self.cfg.max_num_queued_reqs
-        if limit is not None and len(self.engine.waiting) >= limit:
+        # vLLM's check_admission: every unfinished request counts (running and waiting), and a request needs room
+        if limit is not None and len(self.engine.running) + len(self.engine.waiting) + 1 > limit:
             self.metrics.rejections["max_num_queued_reqs"] += 1
-            return await self._reject_busy(request, plan)
+            # checked before a response starts (vLLM's _preflight): a plain 503, streams included. vLLM answers
+            # with an in-band SSE error a stream that passed that check in a burst and is refused when added: a
+            # race this single-threaded engine does not have
+            return _error(busy_error())
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-sim{next(self._ids):08x}"
         ch = Channel()
@@ -396,17 +400,6 @@ class SimServer:
             await resp.write(b"".join(parts))
             if ch.error is not None or ch.finished:
                 break
-        await resp.write_eof()
-        return resp
-
-    async def _reject_busy(self, request: web.Request, plan: Plan) -> web.StreamResponse:
-        """vLLM's --max-num-queued-reqs: plain 503, or for streams HTTP 200 with one SSE error event."""
-        err = busy_error()
-        if not plan.stream:
-            return _error(err)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await resp.prepare(request)
-        await resp.write(sse_error(err) + DONE)
         await resp.write_eof()
         return resp
 

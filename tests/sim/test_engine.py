@@ -93,6 +93,26 @@ def test_decode_out_of_blocks_preempts_the_newest_by_recompute() -> None:
     assert eng.stats.prompt_tokens == 128  # recomputation is not counted, as in vLLM
 
 
+def test_a_waiting_request_is_admitted_only_when_its_whole_prompt_fits() -> None:
+    # vLLM's scheduler_reserve_full_isl (on by default): 10 allocatable blocks, "a" holds 3 (40 tokens); "b"'s
+    # 130-token prompt needs 9 blocks whole, though its first 24-token chunk would need only 2. It waits, and
+    # nothing is preempted, until "a" has finished and freed its blocks.
+    eng = Engine(small(max_num_batched_tokens=64))
+    eng.add(SimRequest("a", prompt_len=40, max_tokens=20, arrival=0.0))
+    eng.add(SimRequest("b", prompt_len=130, max_tokens=10, arrival=0.0))
+    a, b = eng.requests["a"], eng.requests["b"]
+    step = eng.schedule(0.0)
+    assert step.scheduled == {"a": 40} and b.status is Status.WAITING and b.blocks == 0
+    now = step.duration
+    eng.complete(step, now)
+    while a.status is not Status.FINISHED:
+        now = run_step(eng, now)
+        assert b.status is Status.WAITING
+    while eng.has_work():
+        now = run_step(eng, now)
+    assert b.num_output == 10 and eng.stats.num_preemptions == 0
+
+
 def test_max_num_seqs_and_token_budget_bound_each_step() -> None:
     eng = Engine(small(num_gpu_blocks=200, max_num_seqs=3, max_num_batched_tokens=50))
     for i in range(6):
