@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -438,8 +439,12 @@ class GatewayConfig(_Model):
         return self
 
     def with_overrides(self, **flags: Any) -> GatewayConfig:
-        """Apply command-line flags (None means 'not given') on top of the file."""
-        data = self.model_dump()
+        """Apply command-line flags (None means 'not given') on top of the file. Only what the file set is carried
+        over: a per-model override merges the fields it sets over its tenant's (``exclude_unset``), and a full
+        dump would make every one of them "set" (its None replacing the tenant's limit)."""
+        data = self.model_dump(exclude_unset=True)
+        for section in ("upstream", "listen"):
+            data.setdefault(section, {})
         if flags.get("upstream") is not None and flags.get("upstream_dns") is not None:
             raise ConfigError(["command line: --upstream and --upstream-dns name the engines two ways: give one"])
         mapping = {
@@ -479,16 +484,41 @@ class ConfigError(Exception):
         self.errors = errors
 
 
-def load_config(path: str | Path | None) -> GatewayConfig:
-    """The config in ``path`` (no path: every default). A file with no settings at all is an error, not "every
-    default": the defaults are the most open policy, and an empty file almost always means a ConfigMap that
-    failed to render. ``{}`` says "every default" on purpose."""
-    if path is None:
-        return GatewayConfig()
-    text = Path(path).read_text(encoding="utf-8")
+@dataclass(frozen=True)
+class ConfigFile:
+    """A config file as it was read: what it says (before command-line flags) and the digest of its bytes, so
+    that hot reload starts from what was loaded, not from what the file holds when the watcher starts."""
+
+    path: str
+    config: GatewayConfig
+    digest: str  # sha256 of the bytes read
+
+
+def read_config_file(path: str | Path) -> ConfigFile:
+    """The config in ``path``. A file with no settings at all is an error, not "every default": the defaults are
+    the most open policy, and an empty file almost always means a ConfigMap that failed to render. ``{}`` says
+    "every default" on purpose."""
+    raw = Path(path).read_bytes()
+    config = parse_config_bytes(raw, str(path))
+    return ConfigFile(str(path), config, hashlib.sha256(raw).hexdigest())
+
+
+def parse_config_bytes(raw: bytes, source: str) -> GatewayConfig:
+    """A config file's bytes: UTF-8 (as YAML 1.2 wants), with settings in it."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"{source}: not UTF-8 text (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})"]
+        ) from None
     if has_no_settings(text):
-        raise ConfigError([f"{path}:1:1: the file has no settings (write {{}} to mean every default)"])
-    return parse_config(text, str(path))
+        raise ConfigError([f"{source}:1:1: the file has no settings (write {{}} to mean every default)"])
+    return parse_config(text, source)
+
+
+def load_config(path: str | Path | None) -> GatewayConfig:
+    """The config in ``path`` (no path: every default); see :func:`read_config_file`."""
+    return GatewayConfig() if path is None else read_config_file(path).config
 
 
 def has_no_settings(text: str) -> bool:
@@ -554,8 +584,8 @@ def validate_file(path: str) -> int:
     """``kvgate validate``: exit 0 and say so, or print every error with its location and exit 1."""
     try:
         load_config(path)
-    except FileNotFoundError:
-        print(f"{path}: no such file", file=sys.stderr)
+    except OSError as exc:
+        print(f"{path}: cannot be read: {exc.strerror or exc}", file=sys.stderr)
         return 1
     except ConfigError as exc:
         for line in exc.errors:

@@ -21,7 +21,7 @@ from gateway.admission.admitter import Admitter
 from gateway.admission.controller import AdmissionController
 from gateway.admission.engine import EngineBook
 from gateway.admission.output_lengths import BEYOND
-from gateway.config import GatewayConfig
+from gateway.config import ConfigFile, GatewayConfig
 from gateway.metrics import GatewayMetrics, HistogramReading, Reading
 from gateway.paths import CONTROL_PATHS
 from gateway.protocol.errors import shutting_down
@@ -54,10 +54,10 @@ class Gateway:
         self,
         config: GatewayConfig,
         clock: Callable[[], float] = time.monotonic,
-        config_path: str | None = None,
+        config_file: ConfigFile | None = None,
     ) -> None:
         self.config = config
-        self.config_path = config_path
+        self.config_file = config_file  # the file it was read from, watched for policy changes
         self.clock = clock
         self.metrics = GatewayMetrics()
         m = config.model
@@ -166,8 +166,9 @@ class Gateway:
             await self._resolve_tokenizer()  # an explicit tokenizer that cannot load stops start-up, loudly
         await self.pool.start()
         await self.counters.start()
-        if self.config_path is not None and self.config.reload.enabled:
-            watcher = ConfigWatcher(self.config_path, self.config.reload.interval_s, self.apply_policy, self.metrics)
+        file = self.config_file
+        if file is not None and self.config.reload.enabled:
+            watcher = ConfigWatcher(file.path, self.config.reload.interval_s, self.apply_policy, self.metrics, file)
             self._tasks.append(asyncio.create_task(watcher.run(), name="kvgate-config-watcher"))
 
     async def _on_model(self, model: ModelInfo) -> None:

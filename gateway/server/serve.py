@@ -12,7 +12,7 @@ from typing import Any
 
 import uvicorn
 
-from gateway.config import ConfigError, GatewayConfig, load_config
+from gateway.config import ConfigError, ConfigFile, GatewayConfig, load_config, read_config_file
 from gateway.logs import configure_logging
 from gateway.server.app import Gateway
 from gateway.server.http_server import configured_protocol
@@ -92,9 +92,10 @@ def upstreams_from_environment() -> list[str] | None:
     return urls or None
 
 
-def build_config(args: argparse.Namespace) -> GatewayConfig:
-    """The config file, then KVGATE_UPSTREAM, then the flags: each overrides what comes before it."""
-    base = load_config(args.config) if args.config else GatewayConfig()
+def build_config(args: argparse.Namespace, file: ConfigFile | None = None) -> GatewayConfig:
+    """The config file (``file``, as read already, or ``args.config``), then KVGATE_UPSTREAM, then the flags:
+    each overrides what comes before it."""
+    base = file.config if file is not None else load_config(args.config) if args.config else GatewayConfig()
     return base.with_overrides(
         # a flag overrides the environment: --upstream-dns names the engines instead of KVGATE_UPSTREAM
         upstream=args.upstream or (None if getattr(args, "upstream_dns", None) else upstreams_from_environment()),
@@ -110,10 +111,14 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = build_config(args)
+        file = read_config_file(args.config) if args.config else None
+        config = build_config(args, file)
     except ConfigError as exc:
         for line in exc.errors:
             print(line, file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{args.config}: cannot be read: {exc.strerror or exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
     if config.tokenizer not in ("auto", "vllm"):
@@ -122,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         except TokenizerUnavailable as exc:
             log.error("cannot load tokenizer %r: %s", config.tokenizer, exc)
             return 2
-    gateway = Gateway(config, config_path=args.config)
+    gateway = Gateway(config, config_file=file)
     DrainingServer(uvicorn_config(gateway, config), gateway, args.drain_timeout, config.listen.control_port).run()
     return 0
 

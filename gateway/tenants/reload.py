@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from gateway.config import ConfigError, GatewayConfig, has_no_settings, parse_config
+from gateway.config import ConfigError, ConfigFile, GatewayConfig, parse_config_bytes
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.reload")
@@ -51,20 +51,32 @@ class ConfigWatcher:
         interval_s: float,
         apply: Callable[[GatewayConfig], None],
         metrics: GatewayMetrics,
+        loaded: ConfigFile | None = None,
     ) -> None:
+        """``loaded``: the file as the running config was read from it. The watcher starts from it, so an edit
+        made while kvgate was starting (after the file was read, before the watcher began) is applied at the
+        first polls; without it, from the file as it is now."""
         self.path = path
         self.interval_s = interval_s
         self.apply = apply
         self.metrics = metrics
-        self._signature = file_signature(path)  # of the file last read (applied, rejected or unchanged)
         self._pending: Signature | None = None  # a new signature seen on the previous poll, not yet read
-        self._digest = _digest(path)
-        self._current = _try_load(path)
+        if loaded is not None:
+            self._signature: Signature | None = None  # of the file last read: unknown, so the next poll reads it
+            self._digest: str | None = loaded.digest
+            self._current: GatewayConfig | None = loaded.config
+        else:
+            self._signature = file_signature(path)
+            self._digest = _digest(path)
+            self._current = _try_load(path)
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.check()
+            try:
+                await self.check()
+            except Exception:  # a reload that went wrong must not end reloading: the next edit is still seen
+                log.exception("config reload failed, keeping the current policy")
 
     async def check(self) -> bool | None:
         """Reload if the file changed and has settled: True applied, False rejected, None nothing to do (yet).
@@ -78,7 +90,7 @@ class ConfigWatcher:
             self._pending = signature  # changed since the last poll: it may still be being written
             return None
         try:
-            text = await asyncio.to_thread(Path(self.path).read_text, encoding="utf-8")
+            raw = await asyncio.to_thread(Path(self.path).read_bytes)
         except OSError as exc:
             log.warning("config %s changed but cannot be read: %s", self.path, exc)
             return None
@@ -86,14 +98,12 @@ class ConfigWatcher:
             self._pending = None  # written to while we read it: wait for it to settle again
             return None
         self._signature, self._pending = signature, None
-        digest = hashlib.sha256(text.encode()).hexdigest()
+        digest = hashlib.sha256(raw).hexdigest()
         if digest == self._digest:
             return None
         self._digest = digest
-        if has_no_settings(text):
-            return self._reject([f"{self.path}: the file has no settings (empty, or only comments)"])
         try:
-            new = parse_config(text, self.path)
+            new = parse_config_bytes(raw, self.path)  # refuses a file with no settings, or not UTF-8
         except ConfigError as exc:
             return self._reject(exc.errors)
         if self._current is not None:
@@ -125,6 +135,6 @@ def _digest(path: str) -> str | None:
 
 def _try_load(path: str) -> GatewayConfig | None:
     try:
-        return parse_config(Path(path).read_text(encoding="utf-8"), path)
+        return parse_config_bytes(Path(path).read_bytes(), path)
     except (OSError, ConfigError):
         return None

@@ -103,3 +103,28 @@ def test_allowed_paths_need_a_key_to_call_them() -> None:
     assert "only a key may call" in err.value.errors[0]
     with_tenant_keys = "passthrough:\n  allow: [/reset_prefix_cache]\ntenants:\n  - {name: t, api_keys: [k]}\n"
     assert parse_config(with_tenant_keys, "kv.yaml").passthrough.allow == ["/reset_prefix_cache"]
+
+
+def test_command_line_flags_keep_a_per_model_override_to_what_it_sets() -> None:
+    """``kvgate serve`` applies its flags to the file (with_overrides): a per-model override must still change only
+    the fields it sets, as after a reload; a full dump once made every field "set", and its Nones replaced the
+    tenant's own limits for that model (requests_per_minute unlimited, the weight and priority reset)."""
+    from gateway.tenants.policy import Policy
+
+    file = (
+        "tenants:\n  - name: team-a\n    api_keys: [sk-a]\n    priority: critical\n    weight: 2\n"
+        "    requests_per_minute: 600\n    max_queued: 64\n    max_queue_wait_s: 10\n"
+        "    models: {llama-70b: {tokens_per_minute: 50000, max_concurrent: 4}}\n"
+    )
+    as_read = parse_config(file)
+    as_served = as_read.with_overrides(upstream=["http://b:2"], port=9000, tokenizer=None)
+    def policy(cfg: GatewayConfig) -> Policy:
+        return Policy(cfg.auth, cfg.tenants, cfg.admission.queue_max_wait_s)
+
+    for cfg in (as_read, as_served):
+        limits = policy(cfg).resolve("team-a", "llama-70b")
+        assert limits.rates.requests_per_minute == 600 and limits.rates.tokens_per_minute == 50000
+        assert limits.max_concurrent == 4 and limits.wait_budget_s == 10
+        assert (limits.qclass.weight, limits.qclass.max_queued) == (2.0, 64)
+    assert as_served.model_dump() == as_read.with_overrides(upstream=["http://b:2"], port=9000).model_dump()
+    assert (as_served.upstream.url, as_served.listen.port) == ("http://b:2", 9000)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from pathlib import Path
 
 import pytest
 
-from gateway.config import GatewayConfig, has_no_settings
+from gateway.config import GatewayConfig, has_no_settings, read_config_file
 from gateway.metrics import GatewayMetrics
 from gateway.tenants.reload import ConfigWatcher
 
@@ -117,3 +119,63 @@ def test_startup_refuses_a_file_with_no_settings(tmp_path: Path) -> None:
     braces = tmp_path / "defaults.yaml"
     braces.write_text("{}\n")
     assert load_config(braces).auth.require_api_key is False
+
+
+async def test_a_file_that_is_not_utf8_is_rejected_and_the_next_edit_still_applied(tmp_path: Path) -> None:
+    """A Latin-1 comment once raised out of the watcher's task: nothing logged or counted, and no later edit
+    (a revoked key) was ever applied."""
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(STRICT)
+    metrics = GatewayMetrics()
+    watcher, applied = watch(path, metrics)
+    path.write_bytes(b"# owner: Ren\xe9\n" + STRICT.encode())
+    assert await watcher.check() is None
+    assert await watcher.check() is False and reloads(metrics) == {"applied": 0.0, "rejected": 1.0}
+    path.write_text(STRICT.replace("kc", "kc2"))
+    assert await watcher.check() is None
+    assert await watcher.check() is True and applied[-1].tenants[2].api_keys == ["kc2"]
+
+
+async def test_an_edit_made_while_kvgate_was_starting_is_applied(tmp_path: Path) -> None:
+    """The watcher starts from the file as it was read at start-up (its digest), not from the file as it is when
+    the watcher begins, after the first scrape and Redis: an edit between the two is applied, not taken for the
+    running policy."""
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(STRICT)
+    loaded = read_config_file(path)
+    path.write_text(STRICT.replace("requests_per_minute: 5", "requests_per_minute: 6"))  # during start-up
+    applied: list[GatewayConfig] = []
+    watcher = ConfigWatcher(str(path), 1.0, applied.append, GatewayMetrics(), loaded)
+    assert await watcher.check() is None
+    assert await watcher.check() is True and applied[0].tenants[0].requests_per_minute == 6
+    unchanged: list[GatewayConfig] = []
+    quiet = ConfigWatcher(str(path), 1.0, unchanged.append, GatewayMetrics(), read_config_file(path))
+    assert await quiet.check() is None and await quiet.check() is None and unchanged == []  # nothing new
+
+
+async def test_the_watcher_survives_a_reload_that_raises(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(STRICT)
+    calls: list[GatewayConfig] = []
+
+    def apply(config: GatewayConfig) -> None:
+        calls.append(config)
+        if len(calls) == 1:
+            raise RuntimeError("a bug in applying")
+
+    watcher = ConfigWatcher(str(path), 0.01, apply, GatewayMetrics())
+    task = asyncio.create_task(watcher.run())
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvgate.reload"):
+            path.write_text(STRICT.replace("kc", "kc2"))
+            while not calls:
+                await asyncio.sleep(0.01)
+            path.write_text(STRICT.replace("kc", "kc3"))
+            while len(calls) < 2:
+                await asyncio.sleep(0.01)
+        assert calls[-1].tenants[2].api_keys == ["kc3"]
+        assert "config reload failed" in caplog.text
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
