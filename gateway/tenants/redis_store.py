@@ -17,6 +17,7 @@ import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -476,7 +477,7 @@ class RedisState:
     def _set_health(self, up: bool) -> None:
         if up != self.healthy:
             self.healthy = up
-            log.warning("redis %s (%s)", "is back" if up else "is DOWN", self.cfg.url)
+            log.warning("redis %s (%s)", "is back" if up else "is DOWN", without_password(self.cfg.url or ""))
             self._on_health(up)
 
     def _mark_down(self, exc: BaseException) -> None:
@@ -667,3 +668,17 @@ def _state(limit: int, left: float) -> LimitState | None:
     if limit <= 0:
         return None
     return LimitState(limit, max(0, math.floor(left)), (limit - left) * 60.0 / limit)
+
+
+def without_password(url: str) -> str:
+    """``url`` fit for a log line: a password in it (``redis://:secret@host``, the one place redis.url has for
+    one) replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
+    return urlunsplit(parts._replace(netloc=netloc))
