@@ -364,8 +364,11 @@ class AdmissionController:
         """Seconds until an engine of the pool may take requests again (the end of the first ejection's
         backoff, at least 1), when none is taking any: each is down (ejected, and refusing connections) or
         leaving. None while one is not (or in a pool of one, which is never ejected): an engine ejected for
-        metrics that time out under load may still be serving, and requests wait for it as for room."""
+        metrics that time out under load may still be serving, and requests wait for it as for room. With no
+        engine at all (discovery found none: a scale to zero, the last pod of a rollout gone), 1."""
         books = self.engines.values()
+        if not books:
+            return 1.0
         if len(self.engines) < 2 or any(not (b.ejected and b.down) and not b.leaving for b in books):
             return None
         returns = [b.ejected_until for b in books if b.ejected_until is not None and not b.leaving]

@@ -31,6 +31,13 @@ from gateway.upstream.session import UpstreamSession
 log = logging.getLogger("kvgate.pool")
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
+# getaddrinfo's "this name has no address" (NXDOMAIN, or no A/AAAA record): an answer, unlike EAI_AGAIN or
+# EAI_FAIL (the lookup itself failed)
+_NO_SUCH_NAME = frozenset(
+    code
+    for code in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None), getattr(socket, "EAI_ADDRFAMILY", None))
+    if code is not None
+)
 
 
 async def resolve_addresses(host: str, port: int) -> list[str]:
@@ -234,9 +241,19 @@ class EnginePool:
             self._discovery = asyncio.create_task(self._discover(discovery), name="kvgate-discovery")
 
     async def discover_once(self, discovery: DiscoveryConfig) -> None:
-        """Resolve the name once and make the pool match the answer. A failed lookup changes nothing."""
+        """Resolve the name once and make the pool match the answer. A name that does not exist or has no address
+        is an answer: no engine (the cluster DNS answers NXDOMAIN for a headless Service without a ready pod, the
+        last engine of a scale-to-zero or of a rollout going away included). A lookup that failed (a timeout,
+        a DNS server that is down) changes nothing."""
         try:
             addresses = await self.resolver(discovery.dns, discovery.port)
+        except socket.gaierror as exc:
+            if exc.errno not in _NO_SUCH_NAME:
+                log.warning("resolving %s failed: %s (the pool stays as it is)", discovery.dns, exc)
+                return
+            if self.engines:
+                log.warning("%s has no address (%s): every engine leaves the pool", discovery.dns, exc)
+            addresses = []
         except OSError as exc:
             log.warning("resolving %s failed: %s (the pool stays as it is)", discovery.dns, exc)
             return

@@ -118,6 +118,7 @@ def test_command_line_flags_keep_a_per_model_override_to_what_it_sets() -> None:
     )
     as_read = parse_config(file)
     as_served = as_read.with_overrides(upstream=["http://b:2"], port=9000, tokenizer=None)
+
     def policy(cfg: GatewayConfig) -> Policy:
         return Policy(cfg.auth, cfg.tenants, cfg.admission.queue_max_wait_s)
 

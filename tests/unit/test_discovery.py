@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -12,9 +13,10 @@ import pytest
 from aiohttp import web
 
 from gateway.admission.admitter import Admitter
-from gateway.admission.controller import AdmissionController
-from gateway.config import GatewayConfig
+from gateway.admission.controller import AdmissionController, Rejected
+from gateway.config import DiscoveryConfig, GatewayConfig
 from gateway.metrics import GatewayMetrics
+from gateway.tokens.cost import KvGeometry, estimate_cost
 from gateway.upstream.pool import EnginePool
 from gateway.upstream.scraper import ModelInfo, Scraper
 from gateway.upstream.session import UpstreamSession
@@ -190,3 +192,41 @@ async def test_a_scrape_says_whether_the_engine_refused_the_connection(
         s.subscribe(Listener())  # type: ignore[arg-type]
         assert not await s.scrape_once()
     assert told == [True, False]
+
+
+async def test_a_name_without_addresses_empties_the_pool_and_a_failed_lookup_keeps_it() -> None:
+    """The cluster DNS answers NXDOMAIN for a headless Service with no ready pod: that is an answer (no engine),
+    and a new request is told to come back instead of going to the pod that is shutting down. A lookup that
+    failed (EAI_AGAIN: the DNS server did not answer) keeps the pool as it is."""
+    answers: list[list[str] | BaseException] = [
+        ["10.0.0.1", "10.0.0.2"],
+        socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution"),
+        socket.gaierror(socket.EAI_NONAME, "Name or service not known"),
+        ["10.0.0.3"],
+    ]
+
+    async def resolver(host: str, port: int) -> list[str]:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer
+
+    config = GatewayConfig()
+    discovery = DiscoveryConfig(dns="vllm-engines.llm.svc.cluster.local", port=8000)
+    controller = AdmissionController(config.admission, engines=())
+    admitter = Admitter(controller, GatewayMetrics(), lambda: 0.0)
+    pool = EnginePool(config, admitter, GatewayMetrics(), UpstreamSession(4), resolver=resolver)
+    await pool.discover_once(discovery)
+    assert sorted(pool.engines) == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    await pool.discover_once(discovery)
+    assert len(pool.engines) == 2
+    await pool.discover_once(discovery)
+    assert pool.engines == {} and controller.engines == {}
+    cost = estimate_cost(
+        (100,), max_tokens=100, sequences_per_prompt=1, max_model_len=None, geometry=KvGeometry(16, 1000)
+    )
+    decision = controller.submit(cost, "t", now=0.0)
+    assert isinstance(decision, Rejected) and decision.reason == "no_engine" and decision.retry_after_s == 1.0
+    await pool.discover_once(discovery)
+    assert list(pool.engines) == ["http://10.0.0.3:8000"]
+    await pool.close()
