@@ -505,3 +505,37 @@ def test_docs_custom_overlay_example_renders(kubectl: str, deploy_copy: Path) ->
     assert env["MODEL"] == "meta-llama/Llama-3.1-8B-Instruct" and "HF_TOKEN" in env
     assert containers(engine)["kvgate"]["image"] == "registry.example.com/kvgate:0.1.0"
     assert validation_errors(docs, K8S_VERSIONS[-1]) == []
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_a_policy_edit_restarts_no_engine_and_a_rollout_outlasts_the_engines_start(
+    rendered: dict[str, list[Manifest]], overlay: str
+) -> None:
+    """The policy's ConfigMap name carries a content hash only where no engine pod mounts it (a new name would
+    restart every engine: weights loaded again); the engine's rollout deadline outlasts its startup probe (the
+    default 10 minutes would fail `rollout status` on a first start that is still downloading weights); no pod
+    mounts a Kubernetes API token it never uses."""
+    docs = rendered[overlay]
+    engine = one(docs, "Deployment", "vllm")
+    (workload,) = [w for w in pod_templates(docs) if "kvgate" in containers(w)]
+    (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "kvgate-config"]
+    hashed = volume["configMap"]["name"] != "kvgate-config"
+    assert hashed == (workload is not engine), volume["configMap"]["name"]
+    probe = containers(engine)["vllm"]["startupProbe"]
+    startup_s = probe["periodSeconds"] * probe["failureThreshold"] + probe.get("initialDelaySeconds", 0)
+    assert engine["spec"]["progressDeadlineSeconds"] > startup_s
+    for w in pod_templates(docs):
+        assert w["spec"]["template"]["spec"].get("automountServiceAccountToken") is False, w["metadata"]["name"]
+
+
+def test_the_sidecar_looks_for_the_tokenizer_in_the_engines_hugging_face_cache(
+    rendered: dict[str, list[Manifest]],
+) -> None:
+    """tokenizer auto looks up the served model's files in HF_HOME: the sidecar's must be vLLM's, on the model
+    volume both mount at the same path, or every request pays a /tokenize round trip to the engine."""
+    pod = one(rendered["sidecar"], "Deployment", "vllm")
+    env = {c: {e["name"]: e.get("value") for e in containers(pod)[c].get("env", [])} for c in ("vllm", "kvgate")}
+    assert env["kvgate"]["HF_HOME"] == env["vllm"]["HF_HOME"]
+    mounts = {c: {m["name"]: m["mountPath"] for m in containers(pod)[c]["volumeMounts"]} for c in ("vllm", "kvgate")}
+    assert mounts["kvgate"]["model-cache"] == mounts["vllm"]["model-cache"]
+    assert env["kvgate"]["HF_HOME"].startswith(mounts["kvgate"]["model-cache"] + "/")
