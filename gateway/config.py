@@ -7,13 +7,15 @@ message`` so an operator can fix a ConfigMap without starting the server.
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gateway.paths import CONTROL_PATHS, GENERATION, READ_ONLY, is_canonical
 
@@ -43,6 +45,14 @@ class UpstreamConfig(_Model):
     def static_urls(self) -> list[str]:
         """The engines known without asking DNS."""
         return [u.rstrip("/") for u in (self.urls or [self.url])]
+
+    @model_validator(mode="after")
+    def _urls_are_http(self) -> UpstreamConfig:
+        for url in [self.url, *self.urls]:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"upstream: {url!r} is not an engine URL: use http(s)://host:port")
+        return self
 
     connect_timeout_s: float = Field(5.0, gt=0)
     timeout_s: float = Field(
@@ -229,6 +239,11 @@ class AdmissionConfig(_Model):
     def _watermarks_ordered(self) -> AdmissionConfig:
         if self.low_watermark >= self.high_watermark:
             raise ValueError("low_watermark must be below high_watermark")
+        if self.stale_ledger_cap > self.high_watermark:
+            raise ValueError(
+                "stale_ledger_cap must be at most high_watermark: without fresh metrics kvgate would admit more than "
+                "with them"
+            )
         return self
 
 
@@ -285,11 +300,19 @@ class TenantConfig(TenantLimits):
     @model_validator(mode="after")
     def _keys_well_formed(self) -> TenantConfig:
         for key in self.api_keys:
-            if key.startswith("sha256:"):
-                digest = key.removeprefix("sha256:")
-                if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
-                    raise ValueError("a 'sha256:' key must be followed by 64 hex digits")
+            check_api_key(key)
         return self
+
+
+def check_api_key(key: str) -> None:
+    """A key a client can send: ``sha256:`` and 64 hex digits, or printable ASCII without spaces (a bearer
+    token: one with a space or a non-ASCII letter never matches what arrives in the Authorization header)."""
+    if key.startswith("sha256:"):
+        digest = key.removeprefix("sha256:")
+        if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
+            raise ValueError("a 'sha256:' key must be followed by 64 hex digits")
+    elif not key or not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+        raise ValueError("an API key must be printable ASCII without spaces (what a client can send as a bearer token)")
 
 
 class AuthConfig(_Model):
@@ -346,6 +369,8 @@ class PassthroughConfig(_Model):
 
     @model_validator(mode="after")
     def _paths_canonical(self) -> PassthroughConfig:
+        for key in self.admin_api_keys:
+            check_api_key(key)
         for path in self.allow:
             if not is_canonical(path) or path == "/":
                 raise ValueError(
@@ -408,7 +433,40 @@ class GatewayConfig(_Model):
     redis: RedisConfig = RedisConfig()
     reload: ReloadConfig = ReloadConfig()
     passthrough: PassthroughConfig = PassthroughConfig()
-    log_level: str = "info"
+    log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_in_lower_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _heuristic_ratio(cls, value: str) -> str:
+        kind, _, arg = value.partition(":")
+        if kind == "heuristic" and arg:
+            try:
+                ratio = float(arg)
+            except ValueError:
+                ratio = math.nan
+            if not math.isfinite(ratio) or ratio <= 0:
+                raise ValueError(f"heuristic:{arg}: characters per token must be a positive number")
+        return value
+
+    @model_validator(mode="after")
+    def _metrics_fresh_between_scrapes(self) -> GatewayConfig:
+        if self.admission.stale_after_s <= self.telemetry.scrape_interval_s:
+            raise ValueError(
+                f"admission.stale_after_s ({self.admission.stale_after_s:g}) must exceed telemetry.scrape_interval_s "
+                f"({self.telemetry.scrape_interval_s:g}): every sample would go stale before the next one is taken"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _someone_can_call(self) -> GatewayConfig:
+        if self.auth.require_api_key and not any(t.api_keys for t in self.tenants):
+            raise ValueError("auth.require_api_key is true but no tenant has api_keys: every request would get 401")
+        return self
 
     @model_validator(mode="after")
     def _tenants_unique(self) -> GatewayConfig:
@@ -545,10 +603,35 @@ def parse_config(text: str, filename: str = "<config>") -> GatewayConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError([f"{filename}:1:1: the top level must be a mapping"])
+    if duplicates := _duplicate_keys(root, filename):
+        raise ConfigError(duplicates)
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_locate_errors(exc, root, filename)) from exc
+
+
+def _duplicate_keys(node: yaml.Node | None, filename: str, path: tuple[str, ...] = ()) -> list[str]:
+    """A key given twice in one mapping: YAML keeps the last silently (a second ``admission:`` block would put
+    every setting of the first back to its default)."""
+    errors: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            name = str(key.value)
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                mark = key.start_mark
+                if name in seen:
+                    errors.append(
+                        f"{filename}:{mark.line + 1}:{mark.column + 1}: {'.'.join((*path, name))}: given twice "
+                        f"(also on line {seen[name] + 1}); only one may stay"
+                    )
+                seen.setdefault(name, mark.line)
+            errors += _duplicate_keys(value, filename, (*path, name))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            errors += _duplicate_keys(item, filename, (*path, str(i)))
+    return errors
 
 
 def _locate_errors(exc: ValidationError, root: yaml.Node | None, filename: str) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -116,19 +117,22 @@ class Gateway:
         self.metrics.gauges.histograms = self._histogram_readings
         self.active_requests = 0  # proxied requests in progress (inference and passthrough): what a drain waits for
         self._idle = asyncio.Event()  # set when a drain sees the last of them finish
+        self._watcher: ConfigWatcher | None = None  # the config file's, once started (reload enabled)
         self._tasks: list[asyncio.Task[None]] = []
         self._tenants_seen: set[str] = set()  # tenants whose queue-depth gauge exists (0 when none waits)
         self._control = self._control_app()
         self._control_port = config.listen.control_port
 
     @staticmethod
-    def _policy(config: GatewayConfig, version: int) -> Policy:
-        return Policy(config.auth, config.tenants, config.admission.queue_max_wait_s, version, config.passthrough)
+    def _policy(config: GatewayConfig, version: int, default_wait_s: float | None = None) -> Policy:
+        wait_s = config.admission.queue_max_wait_s if default_wait_s is None else default_wait_s
+        return Policy(config.auth, config.tenants, wait_s, version, config.passthrough)
 
     def apply_policy(self, config: GatewayConfig) -> None:
         """A reloaded, valid config: swap in its tenants, auth and passthrough as one new snapshot, between
-        requests."""
-        self.policy = self._policy(config, self.policy.version + 1)
+        requests. The rest stays as started (``admission`` too: its default wait budget is the running one,
+        as the reload's warning says)."""
+        self.policy = self._policy(config, self.policy.version + 1, self.config.admission.queue_max_wait_s)
 
     # --- ASGI ---------------------------------------------------------------------------------------
 
@@ -168,8 +172,28 @@ class Gateway:
         await self.counters.start()
         file = self.config_file
         if file is not None and self.config.reload.enabled:
-            watcher = ConfigWatcher(file.path, self.config.reload.interval_s, self.apply_policy, self.metrics, file)
-            self._tasks.append(asyncio.create_task(watcher.run(), name="kvgate-config-watcher"))
+            self._watcher = ConfigWatcher(
+                file.path, self.config.reload.interval_s, self.apply_policy, self.metrics, file
+            )
+            self._tasks.append(asyncio.create_task(self._watcher.run(), name="kvgate-config-watcher"))
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
+            # SIGHUP means "reload" to operators (and systemd's ExecReload): by default it would end kvgate at once
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+
+    def _on_sighup(self) -> None:
+        watcher = self._watcher
+        if watcher is None:
+            log.warning("SIGHUP: nothing to reload (no config file, or reload.enabled is false)")
+            return
+        log.info("SIGHUP: reading %s now", watcher.path)
+        self._tasks.append(asyncio.create_task(self._reload_now(watcher), name="kvgate-sighup-reload"))
+
+    @staticmethod
+    async def _reload_now(watcher: ConfigWatcher) -> None:
+        try:
+            await watcher.check_now()
+        except Exception:
+            log.exception("config reload failed, keeping the current policy")
 
     async def _on_model(self, model: ModelInfo) -> None:
         """The engine answered /v1/models: now ``auto`` can see its model path and its /tokenize."""

@@ -28,8 +28,8 @@ from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.reload")
 
-# What a reload applies; every other section needs a restart.
-RELOADABLE = frozenset({"auth", "tenants", "passthrough", "reload"})
+# What a reload applies; every other section needs a restart (``reload`` too: the watcher runs as it started).
+RELOADABLE = frozenset({"auth", "tenants", "passthrough"})
 
 Signature = tuple[str, int, int, int]
 
@@ -77,6 +77,12 @@ class ConfigWatcher:
                 await self.check()
             except Exception:  # a reload that went wrong must not end reloading: the next edit is still seen
                 log.exception("config reload failed, keeping the current policy")
+
+    async def check_now(self) -> bool | None:
+        """Read the file at once (SIGHUP: whoever sent it says the file is written), without waiting for a
+        second poll to find it settled."""
+        self._pending = await asyncio.to_thread(file_signature, self.path)
+        return await self.check()
 
     async def check(self) -> bool | None:
         """Reload if the file changed and has settled: True applied, False rejected, None nothing to do (yet).

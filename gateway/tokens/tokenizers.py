@@ -118,8 +118,8 @@ class HeuristicTokenizer:
     vocab_size: int | None = None
 
     def __init__(self, chars_per_token: float = 4.0) -> None:
-        if chars_per_token <= 0:
-            raise TokenizerUnavailable("heuristic chars-per-token must be positive")
+        if not math.isfinite(chars_per_token) or chars_per_token <= 0:
+            raise TokenizerUnavailable("heuristic chars-per-token must be a positive number")
         self.chars_per_token = chars_per_token
         self.name = f"heuristic:{chars_per_token:g}"
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,3 +95,33 @@ def test_a_reload_revokes_an_admin_key_and_closes_a_route(
     assert status("/reset_prefix_cache", "kt") == 403
     assert status("/sleep", "new") == 404
     assert "take effect only after a restart" not in gw.log()
+
+
+def test_sighup_reloads_at_once_and_does_not_end_kvgate(
+    mini_vllm: Callable[..., str], procs: list[Proc], tmp_path: Path
+) -> None:
+    """Operators (and systemd's ExecReload) send SIGHUP to mean "reload": by default it ended kvgate on the spot,
+    streams and all. It reads the file now instead, however long the poll interval."""
+    config = {
+        "tokenizer": "heuristic",
+        "reload": {"interval_s": 3600},  # the poll would not see the edit during this test: only SIGHUP can
+        "auth": {"require_api_key": True},
+        "tenants": [{"name": "t", "api_keys": ["kt"]}],
+        "admission": {"queue_max_wait_s": 120},
+    }
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(yaml.safe_dump(config))
+    procs.append(start_gateway(mini_vllm(), path))
+    gw = procs[-1]
+    assert statuses(gw.url, ["kt", "kt2"]) == [200, 401]
+    config["tenants"] = [{"name": "t", "api_keys": ["kt2"]}]
+    config["admission"] = {"queue_max_wait_s": 5}  # not reloadable: the running budget stays, and a warning says so
+    path.write_text(yaml.safe_dump(config))
+    os.kill(gw.pid, signal.SIGHUP)
+    for _ in range(1200):  # until the reload is in; a gateway that died of the signal fails below
+        if not gw.running() or httpx.get(gw.url + "/readyz").json()["policy_version"] >= 2:
+            break
+        time.sleep(0.05)
+    assert gw.running(), gw.log()
+    assert statuses(gw.url, ["kt", "kt2"]) == [401, 200]
+    assert "SIGHUP: reading" in gw.log() and "changes to admission take effect only after a restart" in gw.log()

@@ -129,3 +129,64 @@ def test_command_line_flags_keep_a_per_model_override_to_what_it_sets() -> None:
         assert (limits.qclass.weight, limits.qclass.max_queued) == (2.0, 64)
     assert as_served.model_dump() == as_read.with_overrides(upstream=["http://b:2"], port=9000).model_dump()
     assert (as_served.upstream.url, as_served.listen.port) == ("http://b:2", 9000)
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "why"),
+    [
+        (
+            "admission:\n  high_watermark: 0.8\n  low_watermark: 0.7\nadmission:\n  queue_max_length: 5\n",
+            "4:1",
+            "admission: given twice (also on line 1)",
+        ),
+        (
+            "tenants:\n  - name: a\n    max_concurrent: 4\n    max_concurrent: 400\n",
+            "4:5",
+            "tenants.0.max_concurrent: given twice",
+        ),
+    ],
+)
+def test_a_key_given_twice_is_refused_where_it_is(text: str, where: str, why: str) -> None:
+    """YAML keeps the last of two equal keys silently: a second ``admission:`` put the first's watermarks back to
+    their defaults, and ``kvgate validate`` said OK."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "kv.yaml")
+    assert err.value.errors[0].startswith(f"kv.yaml:{where}: {why}")
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("log_level: verbose\n", "log_level"),
+        ("upstream:\n  url: 127.0.0.1:8000\n", "is not an engine URL"),
+        ("upstream:\n  urls: [http://a:1, 'vllm:8000']\n", "is not an engine URL"),
+        ("tokenizer: heuristic:nan\n", "characters per token must be a positive number"),
+        ("tokenizer: heuristic:inf\n", "characters per token must be a positive number"),
+        ("tokenizer: heuristic:0\n", "characters per token must be a positive number"),
+        ("passthrough:\n  admin_api_keys: ['sha256:0123']\n", "64 hex digits"),
+        ("tenants:\n  - name: a\n    api_keys: ['sk-caf\u00e9']\n", "printable ASCII"),
+        ("tenants:\n  - name: a\n    api_keys: [' sk-pad ']\n", "printable ASCII"),
+        ("auth:\n  require_api_key: true\n", "every request would get 401"),
+        (
+            "admission:\n  stale_after_s: 0.5\ntelemetry:\n  scrape_interval_s: 3\n",
+            "must exceed telemetry.scrape_interval_s",
+        ),
+        ("admission:\n  stale_ledger_cap: 1.0\n", "stale_ledger_cap must be at most high_watermark"),
+    ],
+)
+def test_what_could_never_work_is_refused_by_validate_not_at_start_up(tmp_path: Path, text: str, why: str) -> None:
+    """Each of these passed ``kvgate validate`` and then stopped ``kvgate serve`` (a log level, an engine URL
+    without a scheme), broke every request (heuristic:nan: a 500 each), or could never match a caller (a key
+    with a space or an accent, a sha256 admin key too short, require_api_key with no key at all)."""
+    path = tmp_path / "kv.yaml"
+    path.write_text(text, encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "gateway", "validate", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 1 and why in proc.stderr, proc.stderr
+
+
+def test_log_level_in_any_case_and_a_config_file_that_is_not_utf8() -> None:
+    assert parse_config("log_level: DEBUG\n").log_level == "debug"
+    from gateway.config import parse_config_bytes
+
+    with pytest.raises(ConfigError, match=r"kv.yaml: not UTF-8 text \(byte 12"):
+        parse_config_bytes(b"# owner: Ren\xe9\n{}\n", "kv.yaml")
