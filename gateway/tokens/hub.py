@@ -46,14 +46,31 @@ def is_repo_id(name: str) -> bool:
 
 
 def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """Where huggingface_hub (and so vLLM) keeps models: HF_HUB_CACHE, else HF_HOME/hub, else the default."""
+    """Where huggingface_hub (and so vLLM) keeps models, as ``huggingface_hub.constants`` works it out:
+    HF_HUB_CACHE, else the legacy HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, else XDG_CACHE_HOME or
+    ~/.cache, then huggingface/hub; with ``~`` and ``$VARS`` expanded."""
     env = os.environ if env is None else env
-    if env.get("HF_HUB_CACHE"):
-        return Path(env["HF_HUB_CACHE"]).expanduser()
+
+    def expanded(value: str) -> Path:
+        return Path(_expandvars(os.path.expanduser(value), env))
+
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(name):
+            return expanded(env[name])
     if env.get("HF_HOME"):
-        return Path(env["HF_HOME"]).expanduser() / "hub"
-    base = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+        return expanded(env["HF_HOME"]) / "hub"
+    base = expanded(env["XDG_CACHE_HOME"]) if env.get("XDG_CACHE_HOME") else Path.home() / ".cache"
     return base / "huggingface" / "hub"
+
+
+def _expandvars(value: str, env: Mapping[str, str]) -> str:
+    """``os.path.expandvars`` against ``env`` (unknown variables left as they are, as it does)."""
+
+    def one(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        return env.get(name, match.group(0))
+
+    return re.sub(r"\$(?:(\w+)|\{([^}]*)\})", one, value)
 
 
 def repo_dir(repo_id: str, cache: Path) -> Path:

@@ -88,6 +88,12 @@ def test_cache_dir_follows_huggingface_hub(tmp_path: Path) -> None:
     assert hub.cache_dir({"HF_HOME": "/h"}) == Path("/h/hub")
     assert hub.cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/huggingface/hub")
     assert hub.cache_dir({}) == Path.home() / ".cache" / "huggingface" / "hub"
+    # as huggingface_hub (and so vLLM): the legacy name, and variables inside the value
+    assert hub.cache_dir({"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HOME": "/h"}) == Path("/legacy")
+    assert hub.cache_dir({"HF_HUB_CACHE": "/c", "HUGGINGFACE_HUB_CACHE": "/legacy"}) == Path("/c")
+    assert hub.cache_dir({"HF_HOME": "$DATA/hf", "DATA": "/data"}) == Path("/data/hf/hub")
+    assert hub.cache_dir({"HF_HUB_CACHE": "${DATA}/hub", "DATA": "/d"}) == Path("/d/hub")
+    assert hub.cache_dir({"HF_HOME": "$UNSET/hf"}) == Path("$UNSET/hf/hub")
 
 
 def test_snapshot_named_by_refs_main_wins(cache: Path) -> None:
