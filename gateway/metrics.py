@@ -61,6 +61,11 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "kvgate_engine_gate_open": ("1 while an engine's hysteresis gate admits", ("engine",)),
     "kvgate_engine_ejected": ("1 while an engine is ejected (refused connections or failing scrapes)", ("engine",)),
     "kvgate_engine_num_blocks": ("An engine's KV pool in blocks (vllm:cache_config_info)", ("engine",)),
+    "kvgate_tokenizer_disagrees": (
+        "1 while most recent prompts counted by the local tokenizer disagree with the engine's usage.prompt_tokens "
+        "(a tokenizer of another model)",
+        (),
+    ),
     "kvgate_tokenizer_info": (
         "1 for the tokenizer counting prompt tokens: kind (hf, tiktoken, vllm, heuristic) and source (model_dir, "
         "hf_cache, hf_download, path, tiktoken_cache, engine, builtin; pending until auto has chosen)",

@@ -34,6 +34,7 @@ from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import Policy
 from gateway.tenants.reload import ConfigWatcher
 from gateway.tenants.shared_books import RedisEngineBooks
+from gateway.tokens.agreement import CountAgreement
 from gateway.tokens.cost import KvGeometry
 from gateway.tokens.count_cache import CountCache
 from gateway.tokens.counting import TokenCounter
@@ -203,6 +204,7 @@ class Gateway:
     async def _resolve_tokenizer(self) -> None:
         self.tokenize_cache.clear()  # counts of another model, or of an engine since restarted
         self.costs.conversations.clear()
+        self.costs.agreement = CountAgreement()  # a new tokenizer is judged afresh
         self.costs.counter = await build_counter(
             self.config.tokenizer,
             session=self.session(),
@@ -324,6 +326,7 @@ class Gateway:
         yield "kvgate_requests_outran_estimate", (), float(c.outran)
         yield "kvgate_prefix_affinity_placements", (), float(c.affinity_placements)
         yield "kvgate_tokenizer_info", (self.costs.counter.kind, self.costs.counter.source), 1.0
+        yield "kvgate_tokenizer_disagrees", (), float(self.costs.agreement.disagrees)
         yield "kvgate_tokenize_cache_lookups", ("hit",), float(self.tokenize_cache.hits)
         yield "kvgate_tokenize_cache_lookups", ("miss",), float(self.tokenize_cache.misses)
         tally = self.costs.tally

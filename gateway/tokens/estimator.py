@@ -20,18 +20,22 @@ conversations that come near the context limit are not tokenized again at every 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.protocol.errors import GatewayError
 from gateway.protocol.requests import InferenceRequest
+from gateway.tokens.agreement import CountAgreement
 from gateway.tokens.chat_render import media_items
 from gateway.tokens.conversations import FRAMING_TOKENS, Conversation, ConversationCounts, conversation_of
 from gateway.tokens.cost import KvGeometry, RequestCost, estimate_cost
 from gateway.tokens.counting import TokenCounter
 from gateway.tokens.media import MediaTokens
 from gateway.tokens.prompt_estimate import EstimateErrors, PromptLengths, key_of, prompt_sizes
+
+log = logging.getLogger("kvgate.tokens")
 
 MAX_ERROR_SHARE = 0.01  # of the pool's tokens: a prompt whose band is wider than this is counted exactly
 
@@ -81,6 +85,7 @@ class CostEstimator:
         self.conversations = conversations if conversations is not None else ConversationCounts()
         self.media = media if media is not None else MediaTokens()
         self.tally = PricingTally()
+        self.agreement = CountAgreement()  # of local counts with the engine's
 
     async def estimate(self, request: InferenceRequest, *, exact: bool = False) -> RequestCost:
         """The request's cost. Priced by estimate it decides every limit as exact counting would, reserves a
@@ -142,6 +147,8 @@ class CostEstimator:
             return
         if self.counter.kind == "heuristic":
             return
+        if cost.prompt_high is None and self.counter.kind != "vllm" and len(cost.prompt_tokens) == 1:
+            self._compare_counts(request, cost.prompt_tokens[0], prompt_tokens)
         sizes = prompt_sizes(request)
         if sizes is None or len(sizes) != 1 or prompt_tokens <= 0:
             return
@@ -153,6 +160,24 @@ class CostEstimator:
             conversation = conversation_of(request)
             if conversation is not None:
                 self.conversations.observe(conversation, prompt_tokens)  # the next turn's known prefix
+
+    def _compare_counts(self, request: InferenceRequest, ours: int, engine: int) -> None:
+        """A text prompt counted here (token ids are the engine's own count): does the engine count the same?"""
+        if request.endpoint == "completions" and isinstance(request.prompts[0], list):
+            return
+        if self.agreement.observe(ours, engine):
+            ratio = self.agreement.median_ratio() or 0.0
+            if self.agreement.disagrees:
+                log.warning(
+                    "the tokenizer %s does not count prompts as the engine does (its usage.prompt_tokens are %.2fx "
+                    "these counts, the median of the last %d): is it the served model's? Requests near the context "
+                    "limit may be refused, or let through, wrongly; set --tokenizer to the model's, or vllm",
+                    self.counter.name,
+                    ratio,
+                    len(self.agreement),
+                )
+            else:
+                log.info("the tokenizer %s counts as the engine does again", self.counter.name)
 
     def _by_estimate(self, request: InferenceRequest, geometry: KvGeometry) -> tuple[RequestCost | None, bool]:
         """Checked at the band's high end and priced at the reserve quantile. No cost when nothing is learned
