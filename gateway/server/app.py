@@ -48,6 +48,8 @@ from gateway.upstream.session import UpstreamSession
 
 log = logging.getLogger("kvgate")
 
+AUTO_RETRY_DELAYS_S = (5.0, 10.0, 20.0, 40.0, 60.0)  # tokenizer auto, asked again after settling for the heuristic
+
 
 class Gateway:
     """All the parts of one gateway, wired together; an ASGI application."""
@@ -119,6 +121,7 @@ class Gateway:
         self.active_requests = 0  # proxied requests in progress (inference and passthrough): what a drain waits for
         self._idle = asyncio.Event()  # set when a drain sees the last of them finish
         self._watcher: ConfigWatcher | None = None  # the config file's, once started (reload enabled)
+        self._auto_retry: asyncio.Task[None] | None = None  # tokenizer auto asked again (see _retry_auto)
         self._tasks: list[asyncio.Task[None]] = []
         self._tenants_seen: set[str] = set()  # tenants whose queue-depth gauge exists (0 when none waits)
         self._control = self._control_app()
@@ -200,6 +203,24 @@ class Gateway:
         """The engine answered /v1/models: now ``auto`` can see its model path and its /tokenize."""
         if self.config.tokenizer == "auto":
             await self._resolve_tokenizer()
+            if self.costs.counter.source == "builtin" and self._auto_retry is None:
+                self._auto_retry = asyncio.create_task(self._retry_auto(), name="kvgate-tokenizer-auto-retry")
+                self._tasks.append(self._auto_retry)
+
+    async def _retry_auto(self) -> None:
+        """``auto`` settled for the heuristic: no local tokenizer, and the engine's /tokenize did not answer its
+        one probe (a timeout while the engine was busy starting, say). The heuristic is inexact, so auto is
+        asked again a few times, further apart each time (5 s to a minute), before the heuristic is kept."""
+        try:
+            for delay in AUTO_RETRY_DELAYS_S:
+                await asyncio.sleep(delay)
+                if self.costs.counter.source != "builtin":
+                    return  # the engine's model changed meanwhile, and auto chose again
+                await self._resolve_tokenizer()
+                if self.costs.counter.source != "builtin":
+                    return
+        finally:
+            self._auto_retry = None
 
     async def _resolve_tokenizer(self) -> None:
         self.tokenize_cache.clear()  # counts of another model, or of an engine since restarted

@@ -377,3 +377,31 @@ async def test_the_choice_is_exported(serve: Serve) -> None:
         assert scraped["kvgate_tokenize_cache_lookups_total{result=miss}"] == 1
     finally:
         await gw.shutdown()
+
+
+async def test_auto_asks_again_after_settling_for_the_heuristic(
+    serve: Serve, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """auto probes the engine's /tokenize once; a probe that failed (the engine busy starting) left the inexact
+    heuristic for the life of the process. It is asked again a few times, and takes /tokenize once it answers."""
+    answers = [500, 500]
+
+    async def tokenize(request: web.Request) -> web.StreamResponse:
+        if answers:
+            return web.Response(status=answers.pop(0))
+        return await _tokenize(request)
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    engine = await serve(app)
+    monkeypatch.setattr("gateway.server.app.AUTO_RETRY_DELAYS_S", (0.01, 0.01, 0.01))
+    gw = Gateway(GatewayConfig.model_validate({"upstream": {"url": engine}, "tokenizer": "auto"}))
+    try:
+        await gw._on_model(gw.pool.model)
+        assert gw.costs.counter.source == "builtin"
+        retry = gw._auto_retry
+        assert retry is not None
+        await retry
+        assert gw.costs.counter.source == "engine" and answers == [] and gw._auto_retry is None
+    finally:
+        await gw.shutdown()
