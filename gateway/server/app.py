@@ -296,6 +296,10 @@ class Gateway:
         if self.draining:
             return False, "draining"
         if self.controller.geometry is None:
+            if not self.pool.engines and self.pool.left_after_a_sample:
+                # discovery finds no engine (scaled to zero, the last pod of a rollout gone): with readiness
+                # gateway, clients get 503 no_engine with Retry-After rather than a Service without endpoints
+                return self.config.listen.readiness == "gateway", "no engine in the pool (discovery finds none)"
             return False, "KV-cache geometry unknown (no vllm:cache_config_info yet)"
         if self.controller.is_stale(self.clock()):
             stale = f"upstream metrics stale ({self.pool.last_error or 'no sample yet'})"

@@ -94,6 +94,7 @@ class EnginePool:
         self._discovery: asyncio.Task[None] | None = None
         self._turn = itertools.count()
         self._model = ModelInfo()  # worked out when an engine comes, goes or says what it serves (_model_changed)
+        self.left_after_a_sample = False  # an engine that had been sampled has left (the pool was seen working)
 
     # --- membership ---------------------------------------------------------------------------------
 
@@ -140,6 +141,7 @@ class EnginePool:
         if engine is None:
             return
         self._retired[url] = engine  # first: requests placed there still find its client
+        self.left_after_a_sample |= engine.scraper.age() < float("inf")
         self._model_changed()
         self.admitter.controller.remove_engine(url)
         self.admitter.pump()

@@ -34,5 +34,8 @@ async def test_a_tier_gateway_is_ready_through_stale_metrics_once_it_has_sampled
             clock.now += 5.0  # the engine restarts: its metrics go stale
             ready, reason = gw.is_ready()
             assert ready is ready_when_stale and "stale" in reason
+            await gw.pool.remove(url)  # discovery finds no engine any more (scaled to zero)
+            ready, reason = gw.is_ready()
+            assert ready is ready_when_stale and "no engine in the pool" in reason
         finally:
             await gw.shutdown()
