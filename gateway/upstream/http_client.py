@@ -124,6 +124,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self.response is not None
+        # idle from here: the engine's keep-alive timer starts as its response ends, not when our caller is done
+        # relaying it (a slow client's stream can be released seconds later)
+        self.idle_since = time.monotonic()
         self.response.keep_alive = self.parser.should_keep_alive()
         self.response.finish()
 
@@ -420,8 +423,7 @@ class Pool:
             conn.close()
             self._open -= 1
             return
-        conn.idle_since = time.monotonic()
-        self._idle.append(conn)
+        self._idle.append(conn)  # idle since its response ended (see _Connection.on_message_complete)
         self._wake_one()
 
     def forget(self, conn: _Connection) -> None:

@@ -565,6 +565,18 @@ async def test_an_idle_connection_past_keepalive_is_closed_and_not_reused() -> N
         assert await observed(server.peers[0].eof)
 
 
+async def test_a_connection_is_idle_from_the_end_of_its_response_not_from_its_release() -> None:
+    """The engine's keep-alive timer (uvicorn's 5 s in vLLM) starts when its response ends. A stream relayed to a
+    slow client is released later; counting the idle time from the release reused a connection the engine was
+    closing at that moment, and the request sent on it was lost (502 in a real-engine burst)."""
+    async with Server(serve_keep_alive) as server, open_pool(server.url, keepalive_s=0.2) as pool:
+        async with await pool.request("POST", "/v1/x", [], b"{}", TIMEOUT_S) as response:
+            assert await response.read() == b"reply 0"
+            await asyncio.sleep(0.3)  # the caller is still relaying it: the connection idles past keepalive_s
+        assert await get(pool) == (200, b"reply 1")  # a fresh connection, not the one idle for 0.3 s
+        assert await observed(server.peers[0].eof)
+
+
 async def test_close_closes_idle_connections() -> None:
     async with Server(serve_keep_alive) as server:
         async with open_pool(server.url) as pool:
