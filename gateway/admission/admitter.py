@@ -33,6 +33,7 @@ from gateway.tokens.cost import RequestCost
 
 # Releases that are not a request finishing on the engine: they say nothing of the rate the line moves at.
 NOT_FINISHED = frozenset({"claim_refused", "claim_unanswered", "engine_unreachable"})
+NO_ENGINE = "No engine of the pool is taking requests now (each is down, restarting or leaving, or none is left)."
 
 
 class SharedBooks(Protocol):
@@ -225,10 +226,7 @@ class Admitter:
             if decision.reason == "queue_wait_predicted":
                 raise wait_predicted(decision.retry_after_s, extra)
             if decision.reason == "no_engine":
-                raise upstream_unavailable(
-                    "No engine of the pool is taking requests now (each is down, restarting or leaving).",
-                    decision.retry_after_s,
-                )
+                raise upstream_unavailable(NO_ENGINE, decision.retry_after_s)
             raise queue_full(decision.retry_after_s, extra)
         ticket = decision.ticket
         loop = asyncio.get_running_loop()
@@ -379,7 +377,11 @@ class Admitter:
             self._restate_later(reservation.engine)
 
     def pump(self) -> None:
-        """Wake every queued request that fits now."""
+        """Wake every queued request that fits now; when no engine is left to take any (the pool emptied),
+        answer every queued one at once rather than at the end of its budget."""
+        if self._waiters and (back_in := self.controller.no_engine_for(self.clock())) is not None:
+            self.fail_all_queued(lambda _: upstream_unavailable(NO_ENGINE, back_in))
+            return
         for ticket, reservation in self.controller.pump(self.clock()):
             _, future, timer = self._waiters.pop(ticket.id)
             timer.cancel()

@@ -360,14 +360,15 @@ class AdmissionController:
             return affine[2], affine[1], True
         return best[2], best[1], False
 
-    def _no_engine_for(self, now: float) -> float | None:
+    def no_engine_for(self, now: float) -> float | None:
         """Seconds until an engine of the pool may take requests again (the end of the first ejection's
         backoff, at least 1), when none is taking any: each is down (ejected, and refusing connections) or
         leaving. None while one is not (or in a pool of one, which is never ejected): an engine ejected for
         metrics that time out under load may still be serving, and requests wait for it as for room. With no
-        engine at all (discovery found none: a scale to zero, the last pod of a rollout gone), 1."""
+        engine at all, or each leaving (discovery finds none: a scale to zero, the last pod of a rollout
+        going), 1, whatever the pool's size."""
         books = self.engines.values()
-        if not books:
+        if all(b.leaving for b in books):
             return 1.0
         if len(self.engines) < 2 or any(not (b.ejected and b.down) and not b.leaving for b in books):
             return None
@@ -452,7 +453,7 @@ class AdmissionController:
         if not self.queue.waiting_at_or_above(qclass.priority) and (placed := self.place(expected.blocks, now, prefix)):
             book, usage, by_affinity = placed
             return Admitted(self._reserve(book, expected, cost, key, tenant, now, usage, prefix, by_affinity))
-        if (back_in := self._no_engine_for(now)) is not None:
+        if (back_in := self.no_engine_for(now)) is not None:
             # every engine is down (or leaving): a prompt 503 to come back, not a wait of the whole budget
             return Rejected("no_engine", back_in, len(self.queue) + 1)
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s

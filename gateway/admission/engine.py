@@ -247,7 +247,7 @@ class EngineBook:
             return None
         total = self.geometry.num_blocks
         if self.is_stale(now):
-            ok = projected <= self.config.stale_ledger_cap * total
+            ok = projected <= min(self.config.stale_ledger_cap, self.config.high_watermark) * total
         else:
             cap = self.config.high_watermark * total
             ok = self.gate.is_open and (projected <= cap or (blocks > cap and self._alone() and projected <= total))

@@ -46,6 +46,9 @@ class InferenceRequest:
     # what vLLM hands a chat template beyond the messages and tools: the client's chat_template_kwargs and its
     # documents (RAG templates render them); part of the prompt, so counted with it
     template_kwargs: dict[str, Any] | None = None
+    # the engine puts a history kvgate never sees before this prompt (a Responses previous_response_id, from its
+    # own store): priced without it, and its usage says nothing of this prompt's size
+    history_elsewhere: bool = False
 
 
 # vLLM's CompletionRequest defaults max_tokens to 16; chat leaves it open (the context's rest).

@@ -122,6 +122,7 @@ class Gateway:
         self._idle = asyncio.Event()  # set when a drain sees the last of them finish
         self._watcher: ConfigWatcher | None = None  # the config file's, once started (reload enabled)
         self._auto_retry: asyncio.Task[None] | None = None  # tokenizer auto asked again (see _retry_auto)
+        self._resolutions = 0  # tokenizer choices begun (see _resolve_tokenizer)
         self._tasks: list[asyncio.Task[None]] = []
         self._tenants_seen: set[str] = set()  # tenants whose queue-depth gauge exists (0 when none waits)
         self._control = self._control_app()
@@ -190,6 +191,7 @@ class Gateway:
             log.warning("SIGHUP: nothing to reload (no config file, or reload.enabled is false)")
             return
         log.info("SIGHUP: reading %s now", watcher.path)
+        self._tasks = [t for t in self._tasks if not t.done()]  # earlier SIGHUPs' reads, finished
         self._tasks.append(asyncio.create_task(self._reload_now(watcher), name="kvgate-sighup-reload"))
 
     @staticmethod
@@ -223,10 +225,11 @@ class Gateway:
             self._auto_retry = None
 
     async def _resolve_tokenizer(self) -> None:
-        self.tokenize_cache.clear()  # counts of another model, or of an engine since restarted
-        self.costs.conversations.clear()
-        self.costs.agreement = CountAgreement()  # a new tokenizer is judged afresh
-        self.costs.counter = await build_counter(
+        """Choose the tokenizer (again). Of two resolutions that overlap (an auto retry while the engine's
+        model changes), the one begun last wins: an earlier one finishing later is dropped."""
+        self._resolutions += 1
+        resolution = self._resolutions
+        counter = await build_counter(
             self.config.tokenizer,
             session=self.session(),
             upstream=first.url if (first := self.pool.first) is not None else self.config.upstream.url,
@@ -238,7 +241,13 @@ class Gateway:
             cache=self.tokenize_cache,
             tokenize_at=self._tokenize_url,
         )
-        counter = self.costs.counter
+        if resolution != self._resolutions:
+            return  # a later resolution has begun: its answer is the one that stands
+        previous, self.costs.counter = self.costs.counter, counter
+        self.tokenize_cache.clear()  # counts of another model, or of an engine since restarted
+        self.costs.conversations.clear()
+        if (counter.name, counter.source) != (previous.name, previous.source):
+            self.costs.agreement = CountAgreement()  # a new tokenizer is judged afresh; the same one is not
         log.info("counting prompt tokens with %s (source: %s)", counter.name, counter.source)
 
     def _tokenize_url(self) -> str:

@@ -17,14 +17,14 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from gateway.admission.admitter import Admitter
+from gateway.admission.admitter import NO_ENGINE, Admitter
 from gateway.admission.queue import engine_priority
 from gateway.config import RequestLimitsConfig
 from gateway.metrics import GatewayMetrics
 from gateway.paths import BodyKind
 from gateway.protocol.bodies import parse_body
 from gateway.protocol.cache_salt import salted
-from gateway.protocol.errors import GatewayError, payload_too_large, shutting_down
+from gateway.protocol.errors import GatewayError, payload_too_large, shutting_down, upstream_unavailable
 from gateway.protocol.requests import InferenceRequest
 from gateway.protocol.routes import route
 from gateway.protocol.stream_usage import asking_usage
@@ -178,7 +178,10 @@ class RequestPath:
         exchange.stream_interval = max(request.stream_interval, self.stream_interval)  # vLLM takes the larger
         exchange.chat = request.messages is not None
         exchange.whole_answer = request.whole_answer
-        # 3. estimate cost (tokenizing long prompts off the event loop)
+        # 3. estimate cost (tokenizing long prompts off the event loop), against the pool's engines: none left
+        #    (discovery finds none) is a prompt 503, not "the KV-cache size is not known yet"
+        if not self.engines.engines:
+            raise upstream_unavailable(NO_ENGINE, 1.0)
         cost = await self.costs.estimate(request)
         # 4. rate limit (pre-charges prompt + reserved output; shared across replicas when Redis is configured)
         tenant_policy = policy.resolve(tenant, request.model, self.engines.model.names)

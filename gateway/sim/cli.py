@@ -40,7 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
-    p.add_argument("--max-num-queued-reqs", type=int, help="reject with 503 when this many requests wait")
+    p.add_argument(
+        "--max-num-queued-reqs", type=int, help="reject with 503 when this many requests are unfinished (as vLLM)"
+    )
     p.add_argument("--stream-interval", type=int, help="tokens per streamed event (vLLM's flag; default 1)")
     p.add_argument(
         "--time-scale",

@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -671,14 +671,13 @@ def _state(limit: int, left: float) -> LimitState | None:
 
 
 def without_password(url: str) -> str:
-    """``url`` fit for a log line: a password in it (``redis://:secret@host``, the one place redis.url has for
-    one) replaced by ``***``."""
+    """``url`` fit for a log line: its password (``redis://:secret@host``) replaced by ``***`` and its query
+    left out (redis-py also takes ``?password=``)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port is not None else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    user = parts.username or ""
+    userinfo = f"{user}:***@" if parts.password is not None else (f"{user}@" if user else "")
+    netloc = userinfo + host + (f":{parts.port}" if parts.port is not None else "")
+    return f"{parts.scheme}://{netloc}{parts.path}"

@@ -61,6 +61,7 @@ class ConfigWatcher:
         self.apply = apply
         self.metrics = metrics
         self._pending: Signature | None = None  # a new signature seen on the previous poll, not yet read
+        self._lock = asyncio.Lock()  # one check at a time: the poll and a SIGHUP's share what they have seen
         if loaded is not None:
             self._signature: Signature | None = None  # of the file last read: unknown, so the next poll reads it
             self._digest: str | None = loaded.digest
@@ -81,13 +82,18 @@ class ConfigWatcher:
     async def check_now(self) -> bool | None:
         """Read the file at once (SIGHUP: whoever sent it says the file is written), without waiting for a
         second poll to find it settled."""
-        self._pending = await asyncio.to_thread(file_signature, self.path)
-        return await self.check()
+        async with self._lock:  # a poll half-way through would reset what this one has seen
+            self._pending = await asyncio.to_thread(file_signature, self.path)
+            return await self._check()
 
     async def check(self) -> bool | None:
         """Reload if the file changed and has settled: True applied, False rejected, None nothing to do (yet).
 
         A new signature is only noted; it is read when the next poll sees the same signature again."""
+        async with self._lock:
+            return await self._check()
+
+    async def _check(self) -> bool | None:
         signature = await asyncio.to_thread(file_signature, self.path)
         if signature is None or signature == self._signature:
             self._pending = None

@@ -137,8 +137,8 @@ class CostEstimator:
         request with one text prompt teaches tokens per byte (every chat; a batch's usage sums its prompts, and
         token ids need no estimate); with the heuristic counting, whose count is itself an estimate, nothing
         uses that. A chat with media counted here teaches what its items took beyond the text."""
-        if request.truncate_to is not None:
-            return  # a truncated prompt's count says nothing of its size
+        if request.truncate_to is not None or request.history_elsewhere:
+            return  # a truncated prompt's count, or one with a history only the engine has, says nothing of its size
         if request.messages is not None and self.counter.kind != "vllm" and (items := media_items(request.messages)):
             if len(items) == 1:  # with two modalities, which took what cannot be told apart
                 ((modality, n),) = items.items()

@@ -189,6 +189,14 @@ def test_stale_metrics_fall_back_to_the_ledger_under_a_lower_cap() -> None:
     assert isinstance(c.submit(rc(1), "t", 5.0), Queued)
 
 
+def test_the_stale_ledger_never_admits_past_the_high_watermark() -> None:
+    """Lowering high_watermark alone (0.6, under the default stale_ledger_cap of 0.75) lowers what a stale
+    ledger admits with it: never more without fresh metrics than with them."""
+    c = make(stale_after_s=2.0, high_watermark=0.6, low_watermark=0.5)
+    assert isinstance(c.submit(rc(60), "t", 5.0), Admitted)  # 60 of 100 blocks: the watermark exactly
+    assert isinstance(c.submit(rc(1), "t", 5.0), Queued)  # under 0.75, but past 0.6
+
+
 def test_stale_metrics_fall_back_to_the_ledger_only_where_it_bounds_the_engine() -> None:
     """The reservations stand for the engine while its metrics are stale only if kvgate has the engine to
     itself, has seen it, and did not last see it full with requests of its own in. Other clients' use, an

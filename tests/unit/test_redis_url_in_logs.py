@@ -17,6 +17,8 @@ from gateway.tenants.redis_store import RedisState, without_password
         ("rediss://app:S3cret@[::1]:6380/2", "rediss://app:***@[::1]:6380/2"),
         ("redis://redis:6379/0", "redis://redis:6379/0"),
         ("redis://app@redis/0", "redis://app@redis/0"),  # a user name alone is not a secret
+        ("redis://redis:6379/0?password=S3cret", "redis://redis:6379/0"),  # redis-py takes it there too
+        ("unix:///var/run/redis.sock?db=0&password=S3cret", "unix:///var/run/redis.sock"),
     ],
 )
 def test_without_password(url: str, logged: str) -> None:

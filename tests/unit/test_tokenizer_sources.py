@@ -3,6 +3,7 @@ allowed), and the order ``auto`` tries them in. Tiny tokenizers built here; the 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -20,7 +21,7 @@ from gateway.server.app import Gateway
 from gateway.tokens import hub
 from gateway.tokens.counting import TokenCounter
 from gateway.tokens.resolve import build_counter, load_explicit
-from gateway.tokens.tokenizers import TokenizerUnavailable, load_tokenizer, open_tokenizer
+from gateway.tokens.tokenizers import HeuristicTokenizer, TokenizerUnavailable, load_tokenizer, open_tokenizer
 from tests.support.procs import free_port
 from tests.support.promtext import parse_metrics
 
@@ -403,5 +404,36 @@ async def test_auto_asks_again_after_settling_for_the_heuristic(
         assert retry is not None
         await retry
         assert gw.costs.counter.source == "engine" and answers == [] and gw._auto_retry is None
+    finally:
+        await gw.shutdown()
+
+
+async def test_of_two_overlapping_tokenizer_choices_the_later_one_stands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An auto retry still probing /tokenize while the engine's model changes (and auto chooses again): the
+    retry finishing last must not put the heuristic back over the newer choice. A choice of the same tokenizer
+    keeps what was learned of it (the count agreement)."""
+    release_first = asyncio.Event()
+    made: list[TokenCounter] = []
+
+    async def build(spec: str, **kw: object) -> TokenCounter:
+        counter = TokenCounter(HeuristicTokenizer() if not made else load_tokenizer("heuristic:3"))
+        counter.source = "builtin" if not made else "engine"
+        made.append(counter)
+        if len(made) == 1:
+            await release_first.wait()  # the stale retry: its probe answers late
+        return counter
+
+    monkeypatch.setattr("gateway.server.app.build_counter", build)
+    gw = Gateway(GatewayConfig())
+    try:
+        stale = asyncio.create_task(gw._resolve_tokenizer())
+        await asyncio.sleep(0)
+        await gw._resolve_tokenizer()  # begun later, answers first
+        release_first.set()
+        await stale
+        assert gw.costs.counter is made[1]
+        agreement = gw.costs.agreement
+        await gw._resolve_tokenizer()  # the same tokenizer again (a re-read of /v1/models)
+        assert gw.costs.counter is made[2] and gw.costs.agreement is agreement
     finally:
         await gw.shutdown()
