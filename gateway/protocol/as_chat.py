@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 from gateway.protocol.errors import bad_request
-from gateway.protocol.requests import check_content_parts
+from gateway.protocol.requests import check_content_parts, template_tool
 
 Message = dict[str, Any]
 
@@ -105,7 +105,7 @@ def responses_tools(body: dict[str, Any]) -> list[Any] | None:
                 if isinstance(inner, dict) and inner.get("type") == "function":
                     name = prefix + str(inner.get("name"))
                     functions.append({k: v for k, v in inner.items() if k != "type"} | {"name": name})
-    return [{"type": "function", "function": function} for function in functions] or None
+    return [template_tool({"type": "function", "function": function}) for function in functions] or None
 
 
 def _from_item(item: dict[str, Any], previous: Message | None, where: str) -> Message | None:
@@ -229,14 +229,16 @@ def anthropic_tools(body: dict[str, Any]) -> list[Any] | None:
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise bad_request("'tools' must be an array of objects.", param="tools")
     return [
-        {
-            "type": "function",
-            "function": {
-                "name": tool.get("name"),
-                "description": tool.get("description"),
-                "parameters": tool.get("input_schema"),
-            },
-        }
+        template_tool(
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.get("name"),
+                    "description": tool.get("description"),
+                    "parameters": tool.get("input_schema"),
+                },
+            }
+        )
         for tool in tools
     ]
 

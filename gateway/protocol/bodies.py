@@ -169,8 +169,8 @@ def _responses(body: dict[str, Any]) -> InferenceRequest:
         # the engine would go on generating after the answer, outside any reservation
         raise bad_request("Background responses are not supported through this gateway.", param="background")
     request = _chat(body, responses_messages(body), _budget(body, "max_output_tokens"), responses_tools(body))
-    if body.get("previous_response_id") is not None:
-        request = replace(request, history_elsewhere=True)
+    # vLLM encodes the rendered input with the tokenizer's special tokens again (a second BOS, for Llama's)
+    request = replace(request, add_special_tokens=True, history_elsewhere=body.get("previous_response_id") is not None)
     # vLLM truncates to the context unless truncation is "disabled" (the default; a null is not)
     return replace(request, truncate_to=-1) if "truncation" in body and body["truncation"] != "disabled" else request
 

@@ -49,6 +49,10 @@ class InferenceRequest:
     # the engine puts a history kvgate never sees before this prompt (a Responses previous_response_id, from its
     # own store): priced without it, and its usage says nothing of this prompt's size
     history_elsewhere: bool = False
+    # the tokenizer's special tokens (BOS) added to the prompt as well: None is the route's default in vLLM (yes for
+    # completions, no for a chat, whose template has them); the Responses API always adds them, to the rendered
+    # chat too (ResponsesRequest leaves add_special_tokens at its default)
+    add_special_tokens: bool | None = None
 
 
 # vLLM's CompletionRequest defaults max_tokens to 16; chat leaves it open (the context's rest).
@@ -190,10 +194,13 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         messages = _messages(body)
         if tools is not None:
             _objects(tools, "tools")  # rendered by the chat template, or dumped to JSON and counted
+            tools = [template_tool(tool) for tool in tools]
         template_kwargs = chat_template_kwargs(body)
     else:
         prompts = _prompts(body)
+    special = optional_field(body, "add_special_tokens", bool)
     return InferenceRequest(
+        add_special_tokens=special,
         endpoint=endpoint,
         model=model,
         sequences_per_prompt=n,
@@ -275,6 +282,32 @@ def check_content_parts(parts: list[Any], where: str) -> None:
             raise bad_request(
                 f"{where}[{j}].text must be a string, got {_json_type(part.get('text'))}.", param=f"{where}[{j}].text"
             )
+
+
+def template_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool as vLLM hands it to the chat template (``ChatCompletionToolsParam.model_dump()``): the
+    function's name, description and parameters always (null when not given: a template that prints the tool as
+    JSON prints them), strict and defer_loading when set, in that order, and nothing else; other kinds of tool
+    as sent (the engine refuses them)."""
+    function = tool.get("function")
+    if tool.get("type", "function") != "function" or not isinstance(function, dict):
+        return tool
+    shown: dict[str, Any] = {
+        "name": function.get("name"),
+        "description": function.get("description"),
+        "parameters": function.get("parameters"),
+    }
+    defer = function.get("defer_loading")
+    if defer is None:
+        defer = tool.get("defer_loading")  # vLLM hands the tool's own down to its function
+    if function.get("strict") is not None:
+        shown["strict"] = function["strict"]
+    if defer is not None:
+        shown["defer_loading"] = defer
+    dumped: dict[str, Any] = {"type": "function", "function": shown}
+    if tool.get("defer_loading") is not None:
+        dumped["defer_loading"] = tool["defer_loading"]
+    return dumped
 
 
 def _objects(value: Any, where: str) -> None:

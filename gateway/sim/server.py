@@ -25,6 +25,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.protocol.requests import template_tool
 from gateway.sim.api import (
     DONE,
     ApiError,
@@ -286,13 +287,23 @@ class SimServer:
             }
         )
 
+    def _text_counter(self, body: Mapping[str, Any]) -> Callable[[str], int]:
+        """A completion's prompt counted as vLLM does: with the tokenizer's special tokens, unless the body says
+        ``add_special_tokens: false``."""
+        special = body.get("add_special_tokens") is not False
+        return lambda text: self.tokenizer.count(text, add_special_tokens=special)
+
     def _count_chat(self, body: Mapping[str, Any], documents: bool = True) -> int:
         """A chat's prompt as vLLM renders it: the messages, the tools, the chat_template_kwargs and (on the
         chat route) the documents."""
         extra = dict(body.get("chat_template_kwargs") or {})
         if documents and body.get("documents") is not None:
             extra["documents"] = body["documents"]
-        return self.tokenizer.count_messages(body["messages"], body.get("tools"), extra=extra or None)
+        tools = body.get("tools")
+        if isinstance(tools, list):  # as vLLM shows them to the template: missing fields as nulls
+            tools = [template_tool(t) if isinstance(t, dict) else t for t in tools]
+        special = body.get("add_special_tokens") is True  # vLLM's chat default: none added to the template
+        return self.tokenizer.count_messages(body["messages"], tools, extra=extra or None, add_special_tokens=special)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completion")
@@ -310,7 +321,7 @@ class SimServer:
                 body,
                 served_model=self.cfg.served_model_name,
                 max_model_len=self.cfg.max_model_len,
-                count_text=self.tokenizer.count,
+                count_text=self._text_counter(body),
                 count_chat=self._count_chat,
             )
         except ApiError as err:

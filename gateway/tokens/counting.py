@@ -95,13 +95,17 @@ class TokenCounter:
     async def _count_remote(self, request: InferenceRequest) -> tuple[int, ...]:
         payloads: list[dict[str, Any]]
         if request.endpoint == "chat":
-            payloads = [{"messages": request.messages, "add_generation_prompt": True}]
+            messages = [_as_chat_parts(m) for m in request.messages or []]
+            payloads = [{"messages": messages, "add_generation_prompt": True}]
+            if request.add_special_tokens is not None:
+                payloads[0]["add_special_tokens"] = request.add_special_tokens
             if request.tools:
                 payloads[0]["tools"] = request.tools
             if request.template_kwargs:  # vLLM's /tokenize has no documents field: its template reads them here
                 payloads[0]["chat_template_kwargs"] = request.template_kwargs
         else:
-            payloads = [{"prompt": p} for p in request.prompts]
+            special = {} if request.add_special_tokens is None else {"add_special_tokens": request.add_special_tokens}
+            payloads = [{"prompt": p, **special} for p in request.prompts]
         counts = []
         for payload in payloads:
             if request.model:
@@ -197,7 +201,39 @@ def _text_exceeds(request: InferenceRequest, limit: int) -> bool:
 
 def _count_local(tokenizer: LocalTokenizer, request: InferenceRequest, off_loop: bool) -> tuple[int, ...]:
     if request.messages is not None:
+        special = request.add_special_tokens is True  # a chat's default: none added to the rendered template
         return (
-            tokenizer.count_messages(request.messages, request.tools, off_loop=off_loop, extra=request.template_kwargs),
+            tokenizer.count_messages(
+                request.messages,
+                request.tools,
+                off_loop=off_loop,
+                extra=request.template_kwargs,
+                add_special_tokens=special,
+            ),
         )
-    return tuple(len(p) if isinstance(p, list) else tokenizer.count(p, off_loop=off_loop) for p in request.prompts)
+    special = request.add_special_tokens is not False  # a completion's default: added
+    return tuple(
+        len(p) if isinstance(p, list) else tokenizer.count(p, off_loop=off_loop, add_special_tokens=special)
+        for p in request.prompts
+    )
+
+
+_CHAT_TEXT_PARTS = frozenset({"input_text", "output_text"})
+
+
+def _as_chat_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """A message for the engine's /tokenize, which takes chat completions' messages alone: the Responses API's
+    ``input_text`` / ``output_text`` parts (kvgate keeps them as sent, as vLLM's renderer reads them) become
+    ``text`` parts."""
+    content = message.get("content")
+    if not isinstance(content, list) or not any(
+        isinstance(part, dict) and part.get("type") in _CHAT_TEXT_PARTS for part in content
+    ):
+        return message
+    parts = [
+        {"type": "text", "text": part.get("text")}
+        if isinstance(part, dict) and part.get("type") in _CHAT_TEXT_PARTS
+        else part
+        for part in content
+    ]
+    return {**message, "content": parts}

@@ -60,7 +60,7 @@ class LocalTokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def count(self, text: str, *, off_loop: bool = False) -> int: ...
+    def count(self, text: str, *, off_loop: bool = False, add_special_tokens: bool = True) -> int: ...
 
     def count_messages(
         self,
@@ -69,6 +69,7 @@ class LocalTokenizer(Protocol):
         *,
         off_loop: bool = False,
         extra: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> int: ...
 
 
@@ -123,7 +124,7 @@ class HeuristicTokenizer:
         self.chars_per_token = chars_per_token
         self.name = f"heuristic:{chars_per_token:g}"
 
-    def count(self, text: str, *, off_loop: bool = False) -> int:
+    def count(self, text: str, *, off_loop: bool = False, add_special_tokens: bool = True) -> int:
         return math.ceil(len(text) / self.chars_per_token)
 
     def encode(self, text: str) -> list[int]:
@@ -140,6 +141,7 @@ class HeuristicTokenizer:
         *,
         off_loop: bool = False,
         extra: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> int:
         return _framed_count(self.count, messages, tools, extra)
 
@@ -205,8 +207,8 @@ class TiktokenTokenizer:
         ids: list[int] = self._enc.encode_ordinary(text)
         return ids
 
-    def count(self, text: str, *, off_loop: bool = False) -> int:
-        return len(self.encode(text))
+    def count(self, text: str, *, off_loop: bool = False, add_special_tokens: bool = True) -> int:
+        return len(self.encode(text))  # tiktoken's encodings add no special token of their own
 
     def count_messages(
         self,
@@ -215,6 +217,7 @@ class TiktokenTokenizer:
         *,
         off_loop: bool = False,
         extra: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> int:
         return _framed_count(self.count, messages, tools, extra)
 
@@ -305,8 +308,8 @@ class HFTokenizer:
             return len(self._encode_released([text], add_special_tokens=add_special_tokens)[0])
         return len(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def count(self, text: str, *, off_loop: bool = False) -> int:
-        return self._count(text, True, off_loop)
+    def count(self, text: str, *, off_loop: bool = False, add_special_tokens: bool = True) -> int:
+        return self._count(text, add_special_tokens, off_loop)
 
     def render_chat(
         self, messages: Sequence[Message], tools: Sequence[Any] | None = None, extra: Mapping[str, Any] | None = None
@@ -342,11 +345,13 @@ class HFTokenizer:
         *,
         off_loop: bool = False,
         extra: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> int:
         if self._template is None:
             return _framed_count(lambda text: self.count(text, off_loop=off_loop), messages, tools, extra)
-        # vLLM tokenizes the rendered chat without adding special tokens again: the template has them.
-        return self._count(self.render_chat(messages, tools, extra), False, off_loop)
+        # vLLM tokenizes the rendered chat without adding special tokens again (the template has them), unless
+        # the request says otherwise (add_special_tokens; the Responses API always does)
+        return self._count(self.render_chat(messages, tools, extra), add_special_tokens, off_loop)
 
 
 def _model_vocab_size(config_file: Path) -> int | None:

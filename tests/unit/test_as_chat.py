@@ -116,7 +116,9 @@ def test_responses_items_become_what_vllm_renders() -> None:
         {"role": "tool", "content": "a cat", "tool_call_id": "c1"},
         {"role": "assistant", "content": "A cat."},
     ]
-    assert tools == [{"type": "function", "function": {"name": "look", "parameters": {}}}]
+    assert tools == [
+        {"type": "function", "function": {"name": "look", "description": None, "parameters": {}}}
+    ]  # as vLLM dumps it
 
 
 def test_a_history_sent_in_previous_input_messages_is_priced_before_the_input() -> None:

@@ -36,6 +36,7 @@ class SpyTokenizer(HeuristicTokenizer):
         *,
         off_loop: bool = False,
         extra: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> int:
         self.calls.append((threading.current_thread().name, off_loop))
         return super().count_messages(messages, tools, off_loop=off_loop, extra=extra)

@@ -111,9 +111,9 @@ def test_long_prompts_are_tokenized_off_the_event_loop(hf_dir: Path) -> None:
     tok = load_tokenizer(f"hf:{hf_dir}")
     original = tok.count
 
-    def spy(text: str, *, off_loop: bool = False) -> int:
+    def spy(text: str, *, off_loop: bool = False, add_special_tokens: bool = True) -> int:
         seen.append((threading.current_thread().name, off_loop))
-        return original(text, off_loop=off_loop)
+        return original(text, off_loop=off_loop, add_special_tokens=add_special_tokens)
 
     tok.count = spy  # type: ignore[method-assign]
     counter = TokenCounter(tok, offload_chars=100)
