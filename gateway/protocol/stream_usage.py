@@ -20,6 +20,8 @@ from gateway.protocol.requests import json_object
 
 _ASKED = b'"stream_options":{"include_usage":true}'
 _GIVE_UP_BYTES = 1 << 16  # held this much with no event ended yet: not SSE framed as "\n\n" (pass it through)
+# what makes an event one the filter acts on: a usage object, a choice's end (see is_usage_event, _is_terminal)
+_MATTERS = (b'"usage"', b'"finish_reason":"', b'"finish_reason": "')
 
 
 def asking_usage(raw: bytes, merge: bool) -> bytes:
@@ -102,6 +104,12 @@ class UsageEventFilter:
         if not self._held and b'"usage"' not in whole and not _is_terminal(whole):
             return whole
         out: list[bytes] = []
+        if not self._held:  # the events before the first that matters (a terminal or the usage one) go as they are
+            at = min(i for i in map(whole.find, _MATTERS) if i >= 0)
+            head = whole.rfind(b"\n\n", 0, at) + 2
+            if head > 1:
+                out.append(whole[:head])
+                whole = whole[head:]
         for event in whole[:-2].split(b"\n\n"):
             if is_usage_event(event):
                 member = _fingerprint(event)

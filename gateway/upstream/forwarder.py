@@ -181,13 +181,15 @@ def _usage_from_tail(tail: bytes) -> Usage | None:
         start = tail.find(b"{", at + 7, at + 16)
         if start < 0:
             continue  # "usage": null, or cut off
-        depth = 0
-        for i in range(start, len(tail)):
-            depth += tail[i] == 0x7B  # {
-            depth -= tail[i] == 0x7D  # }
-            if depth == 0:
+        # its closing brace, from brace to brace (a usage object holds numbers and objects of numbers, no
+        # strings that could hold a brace): a few finds, not a Python step per byte
+        depth, i = 0, start
+        while (close := tail.find(b"}", i)) >= 0:
+            depth += tail.count(b"{", i, close) - 1
+            i = close + 1
+            if depth <= 0:
                 try:
-                    usage = _usage_of(orjson.loads(tail[start : i + 1]))
+                    usage = _usage_of(orjson.loads(tail[start:i]))
                 except orjson.JSONDecodeError:
                     usage = None
                 if usage is not None:

@@ -86,6 +86,27 @@ def test_the_client_gets_the_stream_it_would_have_had_without_usage(cuts: list[i
     assert _relay(TOKENS + b'data: {"partial', cuts) == TOKENS + b'data: {"partial'  # cut off: as sent
 
 
+@given(st.lists(st.integers(0, 3000), max_size=12))
+def test_events_before_the_last_go_through_in_one_piece_as_vllm_sends_them(cuts: list[int]) -> None:
+    """vLLM's choice events carry no usage key without continuous_usage_stats: the filter passes everything
+    before the first event it acts on as one slice (a zero-delay stream arrives in one chunk), the same bytes."""
+    plain = b"".join(_event({"id": "c", "choices": [{"index": 0, "delta": {"content": f"{i}"}}]}) for i in range(6))
+    last = _event({"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}]})
+    stamped = _event(
+        {
+            "id": "c",
+            "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}],
+            "system_fingerprint": "fp",
+        }
+    )
+    relayed = _relay(plain + last + USAGE + DONE, cuts)
+    assert relayed.startswith(plain) and _events(relayed) == _events(plain + stamped + DONE)
+    assert (
+        UsageEventFilter().feed(plain + last + USAGE + DONE)
+        == plain + stamped[:-2].replace(b'"x"', b'"x"') + b"\n\n" + DONE
+    )
+
+
 def test_the_other_choices_of_an_n_stream_go_on_streaming_after_the_first_ends() -> None:
     """n=2: choice 0 ends first. Its last event waits for the usage event's fingerprint, but choice 1's
     events are not held behind it until the whole stream ends: each goes out as it comes."""
