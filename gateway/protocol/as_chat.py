@@ -235,12 +235,19 @@ def anthropic_tools(body: dict[str, Any]) -> list[Any] | None:
                 "function": {
                     "name": tool.get("name"),
                     "description": tool.get("description"),
-                    "parameters": tool.get("input_schema"),
+                    "parameters": _object_schema(tool.get("input_schema")),
+                    "strict": tool.get("strict"),
+                    "defer_loading": tool.get("defer_loading"),
                 },
             }
         )
         for tool in tools
     ]
+
+
+def _object_schema(schema: Any) -> Any:
+    """An input schema as vLLM's AnthropicTool validates it: ``"type": "object"`` added (last) when absent."""
+    return {**schema, "type": "object"} if isinstance(schema, dict) and "type" not in schema else schema
 
 
 def _system_text(content: Any, where: str) -> str:

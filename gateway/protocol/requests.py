@@ -198,7 +198,7 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> InferenceRequest:
         template_kwargs = chat_template_kwargs(body)
     else:
         prompts = _prompts(body)
-    special = optional_field(body, "add_special_tokens", bool)
+    special = lax_bool(body.get("add_special_tokens"))
     return InferenceRequest(
         add_special_tokens=special,
         endpoint=endpoint,
@@ -284,6 +284,23 @@ def check_content_parts(parts: list[Any], where: str) -> None:
             )
 
 
+_TRUE = frozenset({"1", "true", "t", "yes", "y", "on"})
+_FALSE = frozenset({"0", "false", "f", "no", "n", "off"})
+
+
+def lax_bool(value: Any) -> bool | None:
+    """A boolean as vLLM's pydantic models read one (``1``, ``"true"``, ``"off"``...); None for anything else
+    (absent, or a value the engine itself refuses)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        return True if word in _TRUE else False if word in _FALSE else None
+    return None
+
+
 def template_tool(tool: dict[str, Any]) -> dict[str, Any]:
     """A function tool as vLLM hands it to the chat template (``ChatCompletionToolsParam.model_dump()``): the
     function's name, description and parameters always (null when not given: a template that prints the tool as
@@ -297,16 +314,16 @@ def template_tool(tool: dict[str, Any]) -> dict[str, Any]:
         "description": function.get("description"),
         "parameters": function.get("parameters"),
     }
-    defer = function.get("defer_loading")
+    defer = lax_bool(function.get("defer_loading"))
     if defer is None:
-        defer = tool.get("defer_loading")  # vLLM hands the tool's own down to its function
-    if function.get("strict") is not None:
-        shown["strict"] = function["strict"]
+        defer = lax_bool(tool.get("defer_loading"))  # vLLM hands the tool's own down to its function
+    if (strict := lax_bool(function.get("strict"))) is not None:
+        shown["strict"] = strict
     if defer is not None:
         shown["defer_loading"] = defer
     dumped: dict[str, Any] = {"type": "function", "function": shown}
-    if tool.get("defer_loading") is not None:
-        dumped["defer_loading"] = tool["defer_loading"]
+    if (own := lax_bool(tool.get("defer_loading"))) is not None:
+        dumped["defer_loading"] = own
     return dumped
 
 

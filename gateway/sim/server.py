@@ -25,7 +25,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.protocol.requests import template_tool
+from gateway.protocol.requests import lax_bool, template_tool
 from gateway.sim.api import (
     DONE,
     ApiError,
@@ -275,7 +275,11 @@ class SimServer:
             n = self._count_chat(body, documents=False)  # vLLM's /tokenize has no documents field
             tokens: list[int] = list(range(n))
         elif isinstance(body.get("prompt"), str):
-            tokens = self.tokenizer.encode(body["prompt"])
+            prompt = body["prompt"]
+            if lax_bool(body.get("add_special_tokens")) is False:  # no BOS: as many pseudo ids as it counts
+                tokens = list(range(self.tokenizer.count(prompt, add_special_tokens=False)))
+            else:
+                tokens = self.tokenizer.encode(prompt)
         else:
             return _error(ApiError(400, "prompt or messages is required", "BadRequestError"))
         return web.json_response(
@@ -290,7 +294,7 @@ class SimServer:
     def _text_counter(self, body: Mapping[str, Any]) -> Callable[[str], int]:
         """A completion's prompt counted as vLLM does: with the tokenizer's special tokens, unless the body says
         ``add_special_tokens: false``."""
-        special = body.get("add_special_tokens") is not False
+        special = lax_bool(body.get("add_special_tokens")) is not False
         return lambda text: self.tokenizer.count(text, add_special_tokens=special)
 
     def _count_chat(self, body: Mapping[str, Any], documents: bool = True) -> int:
@@ -302,7 +306,7 @@ class SimServer:
         tools = body.get("tools")
         if isinstance(tools, list):  # as vLLM shows them to the template: missing fields as nulls
             tools = [template_tool(t) if isinstance(t, dict) else t for t in tools]
-        special = body.get("add_special_tokens") is True  # vLLM's chat default: none added to the template
+        special = lax_bool(body.get("add_special_tokens")) is True  # vLLM's chat default: none added
         return self.tokenizer.count_messages(body["messages"], tools, extra=extra or None, add_special_tokens=special)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

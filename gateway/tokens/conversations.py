@@ -75,7 +75,8 @@ def conversation_of(request: InferenceRequest) -> Conversation | None:
     if request.messages is None or not text_only(request.messages):
         return None
     try:
-        head = [request.model or "", request.tools, request.template_kwargs]
+        # what else decides the count: the special tokens added to the rendered chat (a Responses request's BOS)
+        head = [request.model or "", request.tools, request.template_kwargs, request.add_special_tokens is True]
         h = hashlib.blake2b(orjson.dumps(head), digest_size=16)
         digests: list[bytes] = []
         sizes: list[int] = []

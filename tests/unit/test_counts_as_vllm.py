@@ -13,12 +13,14 @@ import orjson
 import pytest
 
 from gateway.protocol.bodies import parse_body
-from gateway.protocol.requests import template_tool
+from gateway.protocol.requests import lax_bool, template_tool
+from gateway.tokens.conversations import conversation_of
 from gateway.tokens.counting import TokenCounter, _as_chat_parts
 from gateway.tokens.tokenizers import HFTokenizer
 from tests.support.bpe import build_bpe_dir
 
 DATA = Path(__file__).parents[1] / "data" / "vllm-tool-dumps.json"
+USER = [{"role": "user", "content": "hello"}]
 # prints the tools as JSON, as many real templates do (Llama 3.1's, Qwen 2.5's)
 TEMPLATE = (
     "{{ bos_token }}{% if tools %}<|tools|>{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}"
@@ -34,6 +36,46 @@ def test_tools_are_shown_to_the_template_as_vllm_dumps_them() -> None:
     assert len(cases) >= 6
     for case in cases:
         assert json.dumps(template_tool(case["tool"])) == json.dumps(case["dumped"]), case["tool"]
+
+
+def test_anthropic_tools_are_shown_as_vllm_converts_them() -> None:
+    """vLLM's AnthropicTool adds "type": "object" to an input schema without one, and its conversion keeps
+    strict and defer_loading."""
+    cases = json.loads(DATA.read_text())["anthropic_cases"]
+    assert len(cases) >= 3
+    for case in cases:
+        shown = parse_body("messages", orjson.dumps({"max_tokens": 1, "messages": USER, "tools": [case["tool"]]})).tools
+        assert shown is not None and json.dumps(shown[0]) == json.dumps(case["dumped"]), case["tool"]
+
+
+@pytest.mark.parametrize(
+    ("value", "read"),
+    [
+        (True, True),
+        (False, False),
+        (1, True),
+        (0, False),
+        ("true", True),
+        ("Off", False),
+        ("maybe", None),
+        (None, None),
+    ],
+)
+def test_flags_are_read_as_vllm_reads_booleans(value: object, read: bool | None) -> None:
+    """pydantic's lax booleans: a body vLLM serves is not refused (an add_special_tokens of 1 was a 400)."""
+    assert lax_bool(value) is read
+    body = {"prompt": "hi", "add_special_tokens": value}
+    assert parse_body("completions", orjson.dumps(body)).add_special_tokens is read
+
+
+def test_a_chat_and_a_responses_turn_of_the_same_text_are_different_conversations() -> None:
+    """The Responses API adds the special tokens: its count of the same messages is one more (a BOS), so a count
+    one route learned is not the other's."""
+    chat = parse_body("chat", orjson.dumps({"model": "m", "messages": USER}))
+    responses = parse_body("responses", orjson.dumps({"model": "m", "input": USER[0]["content"]}))
+    assert chat.messages == responses.messages
+    one, other = conversation_of(chat), conversation_of(responses)
+    assert one is not None and other is not None and one.digests != other.digests
 
 
 @pytest.fixture(scope="module")
