@@ -192,14 +192,7 @@ class Gateway:
             return
         log.info("SIGHUP: reading %s now", watcher.path)
         self._tasks = [t for t in self._tasks if not t.done()]  # earlier SIGHUPs' reads, finished
-        self._tasks.append(asyncio.create_task(self._reload_now(watcher), name="kvgate-sighup-reload"))
-
-    @staticmethod
-    async def _reload_now(watcher: ConfigWatcher) -> None:
-        try:
-            await watcher.check_now()
-        except Exception:
-            log.exception("config reload failed, keeping the current policy")
+        self._tasks.append(asyncio.create_task(watcher.reload_now(), name="kvgate-sighup-reload"))
 
     async def _on_model(self, model: ModelInfo) -> None:
         """The engine answered /v1/models: now ``auto`` can see its model path and its /tokenize."""
@@ -217,10 +210,8 @@ class Gateway:
             for delay in AUTO_RETRY_DELAYS_S:
                 await asyncio.sleep(delay)
                 if self.costs.counter.source != "builtin":
-                    return  # the engine's model changed meanwhile, and auto chose again
+                    return  # chosen since: by the last try, or because the engine's model changed meanwhile
                 await self._resolve_tokenizer()
-                if self.costs.counter.source != "builtin":
-                    return
         finally:
             self._auto_retry = None
 

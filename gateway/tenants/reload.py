@@ -20,8 +20,9 @@ import asyncio
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from gateway.config import ConfigError, ConfigFile, GatewayConfig, parse_config_bytes
 from gateway.metrics import GatewayMetrics
@@ -74,14 +75,14 @@ class ConfigWatcher:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            try:
-                await self.check()
-            except Exception:  # a reload that went wrong must not end reloading: the next edit is still seen
-                log.exception("config reload failed, keeping the current policy")
+            await _logging_failures(self.check())
+
+    async def reload_now(self) -> None:
+        """SIGHUP: read the file at once (whoever sent it says it is written), without waiting for a second
+        poll to find it settled; a failure is logged, as the poll's are."""
+        await _logging_failures(self.check_now())
 
     async def check_now(self) -> bool | None:
-        """Read the file at once (SIGHUP: whoever sent it says the file is written), without waiting for a
-        second poll to find it settled."""
         async with self._lock:  # a poll half-way through would reset what this one has seen
             self._pending = await asyncio.to_thread(file_signature, self.path)
             return await self._check()
@@ -136,6 +137,14 @@ class ConfigWatcher:
         self.metrics.policy_reloads.labels("rejected").inc()
         log.error("config reload rejected, keeping the current policy:\n%s", "\n".join(errors))
         return False
+
+
+async def _logging_failures(check: Coroutine[Any, Any, bool | None]) -> None:
+    """A reload that went wrong must not end reloading: the next edit is still seen."""
+    try:
+        await check
+    except Exception:
+        log.exception("config reload failed, keeping the current policy")
 
 
 def _digest(path: str) -> str | None:

@@ -249,16 +249,13 @@ class EnginePool:
         a DNS server that is down) changes nothing."""
         try:
             addresses = await self.resolver(discovery.dns, discovery.port)
-        except socket.gaierror as exc:
-            if exc.errno not in _NO_SUCH_NAME:
+        except OSError as exc:
+            if not (isinstance(exc, socket.gaierror) and exc.errno in _NO_SUCH_NAME):
                 log.warning("resolving %s failed: %s (the pool stays as it is)", discovery.dns, exc)
                 return
             if self.engines:
                 log.warning("%s has no address (%s): every engine leaves the pool", discovery.dns, exc)
             addresses = []
-        except OSError as exc:
-            log.warning("resolving %s failed: %s (the pool stays as it is)", discovery.dns, exc)
-            return
         wanted = {engine_url(discovery.scheme, a, discovery.port) for a in addresses}
         for url in sorted(wanted - self.engines.keys()):
             self.add(url)
