@@ -37,8 +37,8 @@ EJECT_BASE_S = 1.0
 EJECT_MAX_S = 60.0
 SCRAPE_FAILURES_TO_EJECT = 3  # in a row: one lost scrape is noise, three are an engine in trouble
 
-# Of the engine's pool: how far the ledger's O(n) peak bound may overstate (one block per decoding sequence)
-# before the exact O(n^2) count is worth its CPU at every admission decision.
+# Of the engine's pool: how far the ledger's peak bound may overstate (one block per decoding sequence) before
+# the exact count (three times the bound's CPU) is worth it at every admission decision.
 BOUND_SLACK = 0.005
 
 

@@ -12,6 +12,7 @@ counters let tests check that nothing is left behind.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import operator
 from collections.abc import Iterator
@@ -21,8 +22,14 @@ from gateway.tokens.cost import RequestCost
 
 _reservation_ids = itertools.count(1)  # unique in the process, across engines that come and go
 ENGINE_LEAD_TOKENS = 8  # how far a decoding sequence may be ahead of the tokens the gateway has relayed
-EXACT_LIMIT = 64  # decoding requests up to which the peak is computed exactly
-_remaining = operator.itemgetter(0)  # the sort key of (remaining, reservation, tokens held)
+EXACT_LIMIT = 256  # decoding requests up to which the peak is computed exactly (vLLM's usual max_num_seqs)
+# What the peak reads of a request's cost: (largest output budget, sequences, prompt tokens over all sequences,
+# blocks, sequences per prompt, (prompt, output budget) of each prompt)
+Shape = tuple[int, int, int, int, int, tuple[tuple[int, int], ...]]
+# A decoding request as the peak weighs it: (steps remaining, tokens held per sequence, prompt tokens over all
+# sequences, sequences, blocks when done, the reservation)
+_Growth = tuple[int, int, int, int, int, "Reservation"]
+_remaining = operator.itemgetter(0)
 
 
 @dataclass(slots=True, eq=False)
@@ -47,6 +54,7 @@ class Reservation:
     pending_sample_blocks: int = 0
     projected_usage: float = 0.0  # projected KV usage (0..1) when it was admitted
     released: bool = field(default=False)
+    shape: Shape = (0, 1, 0, 0, 1, ())  # of ``cost``, what the peak reads
 
     @property
     def blocks(self) -> int:
@@ -57,7 +65,9 @@ class Ledger:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._live: dict[int, Reservation] = {}
+        self._decoding: dict[int, Reservation] = {}  # the live ones whose first token was seen
         self.reserved_blocks = 0
+        self._waiting_blocks = 0  # of the live ones not yet decoding: they count whole in the peak
         self._in_sample_blocks = 0
         self._reserved_at_begin = 0
         # what our reservations covered while the latest sample was taken (the more of its start and end): what
@@ -83,9 +93,11 @@ class Ledger:
         key: tuple[str, ...] = (),
     ) -> Reservation:
         res = Reservation(next(_reservation_ids), cost, tenant, admitted_at=now, full=full or cost, key=key)
+        res.shape = _shape(cost)
         self.last_id = res.id
         self._live[res.id] = res
         self.reserved_blocks += res.blocks
+        self._waiting_blocks += res.blocks
         self.reserved_count += 1
         return res
 
@@ -96,6 +108,8 @@ class Ledger:
             return
         if res.first_token_at is None:
             res.first_token_at = now
+            self._waiting_blocks -= res.blocks
+            self._decoding[res.id] = res
         res.generated = max(res.generated, generated)
         res.lead_tokens = max(res.lead_tokens, lead_tokens)
 
@@ -104,7 +118,10 @@ class Ledger:
         if res.released:
             return
         self.reserved_blocks += cost.blocks - res.blocks
+        if res.first_token_at is None:
+            self._waiting_blocks += cost.blocks - res.blocks
         res.cost = cost
+        res.shape = _shape(cost)
 
     def release(self, res: Reservation) -> bool:
         """Return the reservation's blocks. True the first time, False on any later call."""
@@ -112,6 +129,10 @@ class Ledger:
             return False
         res.released = True
         del self._live[res.id]
+        if res.first_token_at is None:
+            self._waiting_blocks -= res.blocks
+        else:
+            del self._decoding[res.id]
         self.reserved_blocks -= res.blocks
         self._in_sample_blocks -= res.in_sample_blocks
         self.released_count += 1
@@ -157,67 +178,92 @@ class Ledger:
         highest just before some request finishes, so only those instants are evaluated, with the requests
         sorted by remaining tokens. Each sequence is assumed ``ENGINE_LEAD_TOKENS`` ahead of what the gateway
         has seen of it (the stream trails the engine). Up to ``EXACT_LIMIT`` decoding requests the blocks are
-        counted exactly, O(n^2); beyond that, running sums with per-sequence rounding bounded from above,
-        O(n log n), which overstates by at most one block per sequence, and a batched stream's lead (rounded up
-        to blocks) more, the lead being added to its whole growth (more also for a batch whose prompts have
-        shorter budgets than its longest: they are counted as growing to it). That bound is also taken whenever
+        counted exactly, O(n log n); beyond that, running sums with per-sequence rounding bounded from above,
+        also O(n log n) and a third of the exact count's CPU, which overstates by at most one block per
+        sequence, and a batched stream's lead (rounded up to blocks) more, the lead being added to its whole
+        growth (more also for a batch whose prompts have shorter budgets than its longest: they are counted as
+        growing to it). That bound is also taken whenever
         one block per decoding sequence is within ``slack_blocks``: a large pool need not pay the exact count's
         CPU at every admission decision for a difference it cannot tell.
         """
-        fixed = 0
-        decoding: list[tuple[int, Reservation, int]] = []  # (remaining, reservation, tokens per sequence held)
-        for res in self._live.values():
-            cost = res.cost
-            if res.first_token_at is None:
-                fixed += cost.blocks
-                continue
-            seen = min(cost.max_output, res.generated // max(1, cost.num_sequences))
-            remaining = max(1, cost.max_output - seen)  # done generating: holds its blocks until it ends
+        fixed = self._waiting_blocks
+        if not self._decoding:
+            return fixed
+        decoding: list[_Growth] = []
+        sequences = 0
+        for res in self._decoding.values():
+            out, seqs, prompt_total, blocks, _, _ = res.shape
+            seen = res.generated // seqs
+            if seen > out:
+                seen = out
+            remaining = out - seen if seen < out else 1  # done generating: holds its blocks until it ends
             # sized as if the engine were ENGINE_LEAD_TOKENS ahead (and a batched stream's lead, never past its
             # budget), timed as if it were not: both err safe
             held = seen + ENGINE_LEAD_TOKENS
             if res.lead_tokens:
-                held = max(held, min(held + res.lead_tokens, cost.max_output))
-            decoding.append((remaining, res, held))
+                held = max(held, min(held + res.lead_tokens, out))
+            decoding.append((remaining, held, prompt_total, seqs, blocks, res))
+            sequences += seqs
         decoding.sort(key=_remaining, reverse=True)
-        if len(decoding) <= EXACT_LIMIT and _sequences(decoding) > slack_blocks:
+        if len(decoding) <= EXACT_LIMIT and sequences > slack_blocks:
             return fixed + self._peak_exact(decoding)
         return fixed + self._peak_bound(decoding)
 
-    def _peak_exact(self, decoding: list[tuple[int, Reservation, int]]) -> int:
-        """``RequestCost.blocks_after`` of every request at every instant, with its arithmetic inlined: the loop
-        is quadratic and runs at every admission decision (4.2 ms for 64 decoding requests through
-        ``blocks_after``; a tenth of that inlined)."""
+    def _peak_exact(self, decoding: list[_Growth]) -> int:
+        """The blocks held (``RequestCost.blocks_after`` of each request, rounded per sequence) at each instant
+        just before one finishes, swept from the last instant to the first in O(n log n).
+
+        A sequence holds ``min(cap, x + t)`` tokens at step ``t`` (``x``: its prompt and what it holds now;
+        ``cap``: its prompt and budget). Going back in time a sequence only ever leaves its cap, so the capped
+        ones wait in a heap until they do; the rest are summed through ``ceil((x + t) / bs) = q + u + [r + v >=
+        bs]`` (``x + bs - 1 = q bs + r``, ``t = u bs + v``): per instant, a sum of their ``q``, their count and a
+        histogram of their ``r``."""
         bs = self.block_size
         round_up = bs - 1
-        shapes = []
-        for _, res, per_seq in decoding:
-            cost = res.cost
-            pairs = tuple(zip(cost.prompt_tokens, cost.output_budgets, strict=True))
-            shapes.append((per_seq, cost.sequences_per_prompt, pairs))
+        capped: list[tuple[int, int, int, int]] = []  # (x - cap: minus the step below which it grows, w, x, blocks)
+        capped_blocks = 0  # of the sequences at their cap
+        quotients = weight = 0  # of the growing ones: sum of w * q, sum of w
+        residues = [0] * bs  # of the growing ones: weight by r
         peak = 0
-        for j, (remaining, _, _) in enumerate(decoding):
-            if j + 1 < len(decoding) and decoding[j + 1][0] == remaining:
-                continue  # the next has as much left: the same instant, with one more request held
+        last = len(decoding) - 1
+        for j, (remaining, per_seq, _, _, _, res) in enumerate(decoding):
             t = remaining - 1  # the last step before this request (and every one with less left) is done
-            held = 0
-            for per_seq, copies, pairs in shapes[: j + 1]:
-                tokens = per_seq + t  # per sequence, never past each prompt's own budget
-                for prompt, budget in pairs:
-                    held += copies * ((prompt + (budget if budget < tokens else tokens) + round_up) // bs)
-            peak = max(peak, held)
+            _, _, _, _, w, pairs = res.shape
+            for prompt, budget in pairs:
+                x, cap = prompt + per_seq, prompt + budget
+                if x + t >= cap:
+                    blocks = w * ((cap + round_up) // bs)
+                    heapq.heappush(capped, (x - cap, w, x, blocks))
+                    capped_blocks += blocks
+                else:
+                    q, r = divmod(x + round_up, bs)
+                    quotients += w * q
+                    weight += w
+                    residues[r] += w
+            if j < last and decoding[j + 1][0] == remaining:
+                continue  # the next has as much left: the same instant, with one more request held
+            while capped and -capped[0][0] > t:  # below its cap from this step back: growing
+                _, w, x, blocks = heapq.heappop(capped)
+                capped_blocks -= blocks
+                q, r = divmod(x + round_up, bs)
+                quotients += w * q
+                weight += w
+                residues[r] += w
+            u, v = divmod(t, bs)
+            held = capped_blocks + quotients + u * weight + sum(residues[bs - v :])  # v == 0: none rounds up
+            if held > peak:
+                peak = held
         return peak
 
-    def _peak_bound(self, decoding: list[tuple[int, Reservation, int]]) -> int:
+    def _peak_bound(self, decoding: list[_Growth]) -> int:
+        round_up = self.block_size - 1
         bs = self.block_size
         peak = tokens = sequences = full = 0
-        for remaining, res, per_seq in decoding:
-            cost = res.cost
-            prompts, copies = cost.prompt_tokens, cost.sequences_per_prompt
-            tokens += copies * (sum(prompts) + len(prompts) * per_seq)
-            sequences += copies * len(prompts)
-            full += cost.blocks
-            bound = (tokens + sequences * (remaining - 1 + bs - 1)) // bs
+        for remaining, per_seq, prompt_total, seqs, blocks, _ in decoding:
+            tokens += prompt_total + seqs * per_seq
+            sequences += seqs
+            full += blocks
+            bound = (tokens + sequences * (remaining - 1 + round_up)) // bs
             if bound > full:
                 bound = full
             if bound > peak:
@@ -228,5 +274,7 @@ class Ledger:
         self.block_size = block_size
 
 
-def _sequences(decoding: list[tuple[int, Reservation, int]]) -> int:
-    return sum(res.cost.num_sequences for _, res, _ in decoding)
+def _shape(cost: RequestCost) -> Shape:
+    pairs = tuple(zip(cost.prompt_tokens, cost.output_budgets, strict=True))
+    copies = cost.sequences_per_prompt
+    return cost.max_output, max(1, cost.num_sequences), cost.total_prompt_tokens, cost.blocks, copies, pairs

@@ -12,17 +12,15 @@ from gateway.tokens.cost import RequestCost, blocks_for
 
 BS = 16
 
-requests = st.lists(
-    st.tuples(
-        st.lists(st.integers(1, 400), min_size=1, max_size=3),  # prompts
-        st.integers(1, 3),  # sequences per prompt
-        st.lists(st.integers(1, 300), min_size=3, max_size=3),  # output budgets (the first len(prompts) used)
-        st.integers(0, 900),  # tokens generated so far, over all sequences
-        st.booleans(),  # decoding (first token seen) or not yet
-        st.integers(0, 120),  # lead: how much further per sequence a batched stream's engine may be
-    ),
-    max_size=40,
+request = st.tuples(
+    st.lists(st.integers(1, 400), min_size=1, max_size=3),  # prompts
+    st.integers(1, 3),  # sequences per prompt
+    st.lists(st.integers(1, 300), min_size=3, max_size=3),  # output budgets (the first len(prompts) used)
+    st.integers(0, 900),  # tokens generated so far, over all sequences
+    st.booleans(),  # decoding (first token seen) or not yet
+    st.integers(0, 120),  # lead: how much further per sequence a batched stream's engine may be
 )
+requests = st.lists(request, max_size=40)
 
 
 def ledger_of(spec: list[tuple[list[int], int, list[int], int, bool, int]]) -> Ledger:
@@ -81,6 +79,35 @@ def test_the_exact_peak_is_the_plain_one_and_the_bound_is_close_above(
     assert exact <= bound
     if all(len(prompts) == 1 for prompts, *_ in spec):  # (a batch's shorter budgets are counted as its longest)
         assert bound <= exact + sequences(ledger)
+
+
+@settings(max_examples=25, deadline=None)
+@given(spec=st.lists(request, min_size=100, max_size=300))
+def test_the_exact_sweep_holds_at_a_busy_engines_concurrency(
+    spec: list[tuple[list[int], int, list[int], int, bool, int]],
+) -> None:
+    """Hundreds of decoding requests, each instant's rounding counted per sequence: still the definition."""
+    ledger = ledger_of(spec)
+    assert ledger.peak_blocks() == plain_peak(ledger)
+
+
+def test_the_exact_count_follows_requests_as_they_start_decoding_grow_and_go() -> None:
+    """The blocks of requests not yet decoding are kept as a running sum: it follows the first token, a resize
+    and a release, and every decoding request leaves the sweep when released."""
+    ledger = ledger_of([([100 + 10 * i], 1, [200, 1, 1], 5 * i + 1, i % 2 == 0, 0) for i in range(12)])
+    live = list(ledger.live())
+    assert ledger.peak_blocks() == plain_peak(ledger)
+    waiting = next(r for r in live if r.first_token_at is None)
+    ledger.resize(waiting, RequestCost((110,), 1, 400, blocks_for(510, BS)))
+    assert ledger.peak_blocks() == plain_peak(ledger)
+    ledger.progress(waiting, 3, 0.2)
+    assert ledger.peak_blocks() == plain_peak(ledger)
+    for res in live[::3]:
+        ledger.release(res)
+        assert ledger.peak_blocks() == plain_peak(ledger)
+    for res in live:
+        ledger.release(res)
+    assert ledger.peak_blocks() == 0 == ledger.reserved_blocks
 
 
 def test_the_bound_is_taken_only_within_the_slack() -> None:
