@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # kvgate: KV-cache-aware admission gateway in front of vLLM.
 #   docker build -t kvgate:0.1.0 .
-#   docker run --rm -p 8080:8080 -e KVGATE_UPSTREAM=http://vllm:8000 \
+#   docker run --rm -p 8080:8080 -p 9090:9090 -e KVGATE_UPSTREAM=http://vllm:8000 \
 #     -v "$PWD/kvgate.yaml:/etc/kvgate/kvgate.yaml:ro" kvgate:0.1.0
 # Flags after the image name replace the default CMD (so repeat --config /etc/kvgate/kvgate.yaml with them).
 
@@ -36,9 +36,11 @@ ENV PATH=/opt/kvgate/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
-    KVGATE_PORT=8080
+    KVGATE_PORT=8080 \
+    KVGATE_CONTROL_PORT=9090
 USER 10001:10001
-EXPOSE 8080
+# 8080: clients; 9090: /healthz, /readyz and /metrics (the default policy's listen.control_port)
+EXPOSE 8080 9090
 # slim has no curl: probe /healthz with the standard library. Exit 0 only on HTTP 200.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request as u; r = u.urlopen('http://127.0.0.1:%s/healthz' % (os.environ.get('KVGATE_CONTROL_PORT') or os.environ.get('KVGATE_PORT', '8080')), timeout=2); sys.exit(0 if r.status == 200 else 1)"]

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fetch a hub tokenizer missing from the HF cache (config: tokenizer_download; default off)",
     )
-    serve.add_argument("--log-level", default=None, help="debug, info, warning (default info)")
+    serve.add_argument("--log-level", default=None, help="debug, info, warning, error, critical (default info)")
     serve.add_argument(
         "--drain-timeout",
         type=float,

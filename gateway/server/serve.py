@@ -141,10 +141,10 @@ def uvicorn_config(gateway: Gateway, config: GatewayConfig) -> uvicorn.Config:
       ``timeout_keep_alive``, which the protocol reads).
     * ``max_connections``: uvicorn's ``limit_concurrency``, applied by the protocol as uvicorn's own does.
       It still accepts every connection, but answers a request with ``503`` + ``Connection: close`` (not from
-      the app, so no Retry-After, no metrics) while the open connections, counting the asking one, or the
-      requests in progress, reach its limit: hence ``+ 1``, so exactly ``max_connections`` connections are
-      served. Idle connections count: the head deadline and the keep-alive timeout are what bound how long a
-      connection that sends nothing holds a place.
+      the app, so no metrics; OpenAI-shaped, with ``Retry-After: 1``) while the open connections, counting
+      the asking one, or the requests in progress, reach its limit: hence ``+ 1``, so exactly
+      ``max_connections`` connections are served. Idle connections count: the head deadline and the keep-alive
+      timeout are what bound how long a connection that sends nothing holds a place.
     * ``ws="none"``: kvgate has no websocket routes; the protocol serves an ``Upgrade`` request as plain HTTP
       by the normal routing (404 for unknown paths).
     """
