@@ -73,6 +73,23 @@ def token_text(index: int) -> str:
     return _WORDS[(index - 1) % len(_WORDS)]
 
 
+def check_request(kind: str, body: Mapping[str, Any], *, served_model: str) -> None:
+    """What vLLM refuses before the engine is asked for room: the body's fields (its pydantic model), then an
+    unknown model (404). A prompt's length is looked at only after the admission check (:func:`plan_request`)."""
+    if body.get("stream_options") and not body.get("stream"):
+        raise ApiError(
+            400, "Stream options can only be defined when `stream=True`.", "BadRequestError", "stream_options"
+        )
+    n = body.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise ApiError(400, "n must be an integer", "BadRequestError", "n")
+    if n != 1:
+        raise ApiError(400, "n > 1 is not supported by the simulator", "BadRequestError", "n")
+    model = body.get("model")
+    if model is not None and model != served_model:  # no model (or null): the served one, as vLLM does
+        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+
 def plan_request(
     kind: str,
     body: Mapping[str, Any],
@@ -82,11 +99,9 @@ def plan_request(
     count_text: Callable[[str], int],
     count_chat: Callable[[Mapping[str, Any]], int],
 ) -> Plan:
-    """Validate like vLLM: unknown model is 404, a prompt that leaves no room for output is 400, a
-    ``max_tokens`` larger than the context is 400, and one past it with the prompt is clamped to what is left."""
-    model = body.get("model", served_model)
-    if model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    """Validate like vLLM once :func:`check_request` passed and the engine had room: a prompt that leaves no room
+    for output is 400, a ``max_tokens`` larger than the context is 400, and one past it with the prompt is
+    clamped to what is left."""
     if kind == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -105,9 +120,12 @@ def plan_request(
             )
         # vLLM keeps that many of the prompt's tokens; -1: the context, less one token to generate
         prompt_len = min(prompt_len, max_model_len - 1 if truncate == -1 else truncate)
-    if int(body.get("n", 1)) != 1:
-        raise ApiError(400, "n > 1 is not supported by the simulator", "BadRequestError", "n")
-    raw_max = body.get("max_completion_tokens", body.get("max_tokens"))
+        if prompt_len < 1:
+            raise ApiError(400, "The decoder prompt cannot be empty", "BadRequestError")
+    # chat's max_completion_tokens, when not null, over max_tokens; completions have no such field
+    raw_max = body.get("max_tokens")
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        raw_max = body["max_completion_tokens"]
     if raw_max is None and kind != "chat":
         raw_max = COMPLETIONS_DEFAULT_MAX_TOKENS  # vLLM's CompletionRequest default
     if prompt_len > max_model_len:

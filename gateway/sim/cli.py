@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+from pathlib import Path
 
 from aiohttp import web
 
@@ -151,6 +152,11 @@ def run(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(args)
     tokenizer = load_tokenizer(args.tokenizer)
+    # a vLLM started with --model DIR reports DIR and counts with its tokenizer: so does the simulator
+    model_root = None
+    if args.tokenizer.startswith("hf:"):
+        path = Path(args.tokenizer[3:]).resolve()
+        model_root = str(path.parent if path.is_file() else path)  # a tokenizer.json: its model's directory
 
     async def main() -> int:
         server = SimServer(
@@ -160,6 +166,7 @@ def run(argv: list[str]) -> int:
             oom_mode=args.oom_mode,
             restart_delay_s=args.restart_delay,
             legacy_gpu_cache_metric=args.legacy_gpu_cache_metric,
+            model_root=model_root,
         )
         return await serve(server, args.host, args.port)
 

@@ -32,9 +32,11 @@ from gateway.sim.api import (
     Plan,
     Renderer,
     busy_error,
+    check_request,
     engine_dead_error,
     plan_request,
     sse_error,
+    token_text,
 )
 from gateway.sim.blocks import blocks_for
 from gateway.sim.config import GIB, SimConfig
@@ -98,6 +100,7 @@ class SimServer:
         oom_mode: OomMode = "restart",
         restart_delay_s: float = 60.0,
         legacy_gpu_cache_metric: bool = False,
+        model_root: str | None = None,
     ) -> None:
         min_blocks = blocks_for(cfg.max_model_len, cfg.block_size) + 1
         if cfg.num_gpu_blocks < min_blocks:
@@ -107,6 +110,8 @@ class SimServer:
             )
         self.cfg = cfg
         self.tokenizer = tokenizer
+        # what /v1/models says --model named: the directory whose tokenizer it counts with, else the hub id
+        self.model_root = model_root or cfg.model.name
         self.time_scale = time_scale
         self.oom_mode = oom_mode
         self.restart_delay_s = restart_delay_s
@@ -232,13 +237,37 @@ class SimServer:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)  # vLLM's SageMaker ping: its health
+        app.router.add_post("/ping", self.health)
+        app.router.add_get("/load", self.load)
         app.router.add_get("/metrics", self.metrics_endpoint)
         app.router.add_get("/version", self.version)
         return app
 
     async def health(self, _: web.Request) -> web.Response:
         return web.Response(status=200 if self.state == "ready" else 503)
+
+    async def load(self, _: web.Request) -> web.Response:
+        """vLLM's server load (as with --enable-server-load-tracking): the generation requests in progress."""
+        return web.json_response({"server_load": len(self.channels)})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """The tokens' text, as vLLM's /detokenize answers: the simulator's ids carry no meaning, so the text
+        is its output words, one per id."""
+        body = await _json(request)
+        if isinstance(body, ApiError):
+            return _error(body)
+        model = body.get("model")
+        if model is not None and model != self.cfg.served_model_name:
+            return _error(ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model"))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+        ):
+            return _error(ApiError(400, "tokens must be a list of integers >= 0", "BadRequestError", "tokens"))
+        return web.json_response({"prompt": "".join(token_text(i + 1) for i in range(len(tokens)))})
 
     async def version(self, _: web.Request) -> web.Response:
         return web.json_response({"version": "0.32.0+kvgate-sim"})
@@ -260,7 +289,7 @@ class SimServer:
             "object": "model",
             "created": int(time.time()),
             "owned_by": "vllm",
-            "root": self.cfg.model.name,  # vLLM's is what --model named: a path or a hub id
+            "root": self.model_root,  # vLLM's is what --model named: a path or a hub id
             "parent": None,
             "max_model_len": self.cfg.max_model_len,
             "permission": [{"id": "modelperm-sim", "object": "model_permission", "allow_sampling": True}],
@@ -319,15 +348,10 @@ class SimServer:
         body = await _json(request)
         if isinstance(body, ApiError):
             return _error(body)
+        # vLLM's order: the body's fields and the model, then the engine (dead, or no room in its queue: vLLM's
+        # _preflight), and only then the prompt's length against the context (its renderer)
         try:
-            plan = plan_request(
-                kind,
-                body,
-                served_model=self.cfg.served_model_name,
-                max_model_len=self.cfg.max_model_len,
-                count_text=self._text_counter(body),
-                count_chat=self._count_chat,
-            )
+            check_request(kind, body, served_model=self.cfg.served_model_name)
         except ApiError as err:
             return _error(err)
         if self.state != "ready":
@@ -340,10 +364,19 @@ class SimServer:
             # with an in-band SSE error a stream that passed that check in a burst and is refused when added: a
             # race this single-threaded engine does not have
             return _error(busy_error())
+        try:
+            plan = plan_request(
+                kind,
+                body,
+                served_model=self.cfg.served_model_name,
+                max_model_len=self.cfg.max_model_len,
+                count_text=self._text_counter(body),
+                count_chat=self._count_chat,
+            )
+        except ApiError as err:
+            return _error(err)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-sim{next(self._ids):08x}"
-        ch = Channel()
-        self.channels[request_id] = ch
         self.engine.add(
             SimRequest(
                 request_id,
@@ -355,6 +388,7 @@ class SimServer:
                 ignore_eos=plan.ignore_eos,
             )
         )
+        ch = self.channels[request_id] = Channel()  # once the engine took it: nothing to leak if it did not
         self.wake.set()
         renderer = Renderer(plan, request_id)
         try:
@@ -398,12 +432,9 @@ class SimServer:
                 continue
             finish = ch.finish_reason if ch.finished else None
             role = [renderer.role_chunk()] if sent == 0 and plan.kind == "chat" and ch.produced > 0 else []
-            if interval == 1:
-                parts = [
-                    renderer.chunk(i, finish if i == ch.produced else None) for i in range(sent + 1, ch.produced + 1)
-                ]
-            else:
-                parts = [renderer.chunk(sent + 1, finish, ch.produced)] if ch.produced > sent else []
+            # every token since the last event in one: vLLM's output collector merges the deltas a stream's reader
+            # has not taken yet (a busy server sends fewer events than tokens)
+            parts = [renderer.chunk(sent + 1, finish, ch.produced)] if ch.produced > sent else []
             parts = role + parts
             sent = ch.produced
             if ch.error is not None:

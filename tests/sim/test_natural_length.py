@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.sim.api import SIM_OUTPUT_FIELD
+from gateway.sim.api import SIM_OUTPUT_FIELD, token_text
 from gateway.sim.cli import build_parser, config_from_args
 from gateway.sim.config import PRESETS, SimConfig
 from gateway.sim.engine import Engine, SimRequest, Status
@@ -217,7 +217,8 @@ def test_http_finish_reasons_usage_and_server_distribution(sim: StartSim) -> Non
         r = complete(max_tokens=20, min_tokens=10, **{SIM_OUTPUT_FIELD: 5}).json()
         assert (r["choices"][0]["finish_reason"], r["usage"]["completion_tokens"]) == ("stop", 11)
 
-        # Streaming chat: one chunk per token, the last (EOS) empty with finish_reason stop; usage agrees.
+        # Streaming chat: the tokens' text (the EOS has none), finish_reason stop on the last event; usage agrees.
+        # How many events carry them depends on how fast this reader takes them (vLLM merges what waits).
         body = {
             "model": MODEL,
             "messages": [{"role": "user", "content": "hello " * 30}],
@@ -233,9 +234,8 @@ def test_http_finish_reasons_usage_and_server_distribution(sim: StartSim) -> Non
                     events.append(orjson.loads(line[6:]))
         content = [e for e in events if e["choices"]]
         assert content.pop(0)["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # vLLM's first event
-        assert len(content) == 6
-        assert [e["choices"][0]["finish_reason"] for e in content] == [None] * 5 + ["stop"]
-        assert content[-1]["choices"][0]["delta"]["content"] == ""
+        assert "".join(e["choices"][0]["delta"]["content"] for e in content) == "".join(map(token_text, range(1, 6)))
+        assert [e["choices"][0]["finish_reason"] for e in content] == [None] * (len(content) - 1) + ["stop"]
         assert events[-1]["usage"]["completion_tokens"] == 6
 
         # Without the body field the server's --output-tokens decides, seeded: draws in arrival order.
