@@ -473,6 +473,19 @@ class GatewayConfig(_Model):
         return self
 
     @model_validator(mode="after")
+    def _claims_outlive_restates(self) -> GatewayConfig:
+        """A replica renews its claimed blocks when it restates them, after each scrape (or failed one): a lease
+        shorter than twice that gap lets a live request's claim lapse, and the other replicas admit on its room."""
+        telemetry, redis = self.telemetry, self.redis
+        gap = telemetry.scrape_interval_s + telemetry.scrape_timeout_s
+        if redis.url and redis.share_engine_reservations and redis.reservation_lease_s <= 2 * gap:
+            raise ValueError(
+                f"redis.reservation_lease_s ({redis.reservation_lease_s:g}) must exceed twice "
+                f"telemetry.scrape_interval_s + scrape_timeout_s ({gap:g}): claims are renewed once per scrape"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _tenants_unique(self) -> GatewayConfig:
         names: set[str] = set()
         keys: set[str] = set()

@@ -367,10 +367,12 @@ class TenantCounters:
         if self.redis is None or not self.redis.healthy:
             return  # the probe sets _renew_soon when Redis is back
         held = list(self._redis_held.values())
-        await self.redis.renew(held)
-        for key, member in held:
-            if member not in self._redis_held:  # released while the renewal was in flight: it put it back
-                self._release_redis(key, member)
+        try:
+            await self.redis.renew(held)
+        finally:  # a renewal that timed out may still have run, after a release it then undid
+            for key, member in held:
+                if member not in self._redis_held:  # released while the renewal was in flight: it put it back
+                    self._release_redis(key, member)
         stale = self.clock() - self.cfg.slot_lease_s
         for member, (key, since) in list(self._unreleased.items()):
             if since < stale:

@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError, ResponseError
 
 from gateway.admission.queue import STANDARD
 from gateway.config import RedisConfig
@@ -161,7 +162,7 @@ redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
 if redis.call('ZSCORE', key, member) then return 1 end
 if redis.call('ZCARD', key) < limit then
   redis.call('ZADD', key, now + lease, member)
-  redis.call('PEXPIRE', key, lease * 2)
+  if redis.call('PTTL', key) < lease * 2 then redis.call('PEXPIRE', key, lease * 2) end
   return 1
 end
 return 0
@@ -185,7 +186,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
   redis.call('ZADD', key, now + lease, ARGV[i + 1])
-  redis.call('PEXPIRE', key, lease * 2)
+  if redis.call('PTTL', key) < lease * 2 then redis.call('PEXPIRE', key, lease * 2) end
 end
 return #KEYS
 """
@@ -276,15 +277,13 @@ local function others(leases, blocks, sampled, peaks, prefix, now, process, toke
     for i = 1, #all, 2 do shown[all[i]] = all[i + 1] end
   end
   local peak, upto = {}, {}  -- weighed whole: each replica's live peak, and the newest reservation in it
-  if process == '' then
-    local all = redis.call('HGETALL', peaks)
-    for i = 1, #all, 2 do
-      local _, p, u, expiry = string.match(all[i + 1], '^(%S+) (%S+) (%S+) (%S+)$')
-      if tonumber(expiry) <= now then
-        redis.call('HDEL', peaks, all[i])
-      elseif all[i] ~= prefix then
-        peak[all[i]], upto[all[i]] = tonumber(p), tonumber(u)
-      end
+  local all_peaks = redis.call('HGETALL', peaks)
+  for i = 1, #all_peaks, 2 do  -- expired ones go whatever the mode, or every replica started would stay
+    local _, p, u, expiry = string.match(all_peaks[i + 1], '^(%S+) (%S+) (%S+) (%S+)$')
+    if tonumber(expiry) <= now then
+      redis.call('HDEL', peaks, all_peaks[i])
+    elseif process == '' and all_peaks[i] ~= prefix then
+      peak[all_peaks[i]], upto[all_peaks[i]] = tonumber(p), tonumber(u)
     end
   end
   local sum = 0
@@ -292,7 +291,11 @@ local function others(leases, blocks, sampled, peaks, prefix, now, process, toke
   local all = redis.call('HGETALL', blocks)
   for i = 1, #all, 2 do
     local member = all[i]
-    if string.sub(member, 1, #prefix) ~= prefix then
+    if not redis.call('ZSCORE', leases, member) then
+      -- no lease (the leases key was evicted, or lost alone): nothing would ever expire it, so it goes now
+      redis.call('HDEL', blocks, member)
+      redis.call('HDEL', sampled, member)
+    elseif string.sub(member, 1, #prefix) ~= prefix then
       local replica = string.match(member, '^(.*:)')
       local held = tonumber(all[i + 1])
       if shown[member] then held = held - shown_by(shown[member], process, tokens) end
@@ -304,7 +307,9 @@ local function others(leases, blocks, sampled, peaks, prefix, now, process, toke
   return sum
 end
 local function expire(lease)
-  for _, key in ipairs(KEYS) do redis.call('PEXPIRE', key, lease * 2) end
+  for _, key in ipairs(KEYS) do  -- never shortened: another replica's lease may be longer (mid-rollout)
+    if redis.call('PTTL', key) < lease * 2 then redis.call('PEXPIRE', key, lease * 2) end
+  end
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -411,12 +416,26 @@ return held + older_heads(KEYS[4], prefix, now, mine, mine_class)
 """
 )
 
+# What the probe writes before it calls Redis usable again: two keys, as every script here touches several (a
+# server that takes a PING but refuses writes, read-only after a failover, out of memory, without the
+# permission, or a cluster that refuses keys of two slots in one script, is not back).
+_PROBE = """
+redis.call('SET', KEYS[1], '1', 'PX', 1000)
+redis.call('SET', KEYS[2], '1', 'PX', 1000)
+return 1
+"""
+
 _TIMEOUTS_DOWN = 3
 _ALL_IDS = 2**53  # an ``upto`` above every reservation id (Lua numbers are doubles)
 
 
 class RedisUnavailable(Exception):
     """Redis did not answer in time (or is known to be down): the caller applies ``on_failure``."""
+
+
+class RedisUnsupported(Exception):
+    """``redis.url`` names a server kvgate cannot use whatever it does: a Redis Cluster (every script here reads
+    and writes several keys, which a cluster refuses unless they share a slot)."""
 
 
 class RedisState:
@@ -449,7 +468,9 @@ class RedisState:
         self._renew = self._client.register_script(_RENEW)
         self._claim = self._client.register_script(_CLAIM)
         self._restate = self._client.register_script(_RESTATE)
+        self._write_probe = self._client.register_script(_PROBE)
         self._probe: asyncio.Task[None] | None = None
+        self._last_refusal = ""
         self._closed = False
 
     def key(self, kind: str, name: str) -> str:
@@ -458,12 +479,36 @@ class RedisState:
     # --- health -------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Connect, or go on without Redis (``on_failure``) and probe until it answers. Raises
+        :class:`RedisUnsupported` for a cluster: a configuration to fix, not an outage to wait out."""
         try:
-            await asyncio.wait_for(self._client.ping(), max(self.cfg.timeout_s, 1.0))
+            await self._usable(max(self.cfg.timeout_s, 1.0))
         except (RedisError, OSError, TimeoutError) as exc:
             self._mark_down(exc)
             return
         self._set_health(True)
+
+    async def _usable(self, timeout_s: float) -> None:
+        """Raise unless Redis answers and takes the writes of a script of two keys (see :data:`_PROBE`)."""
+        await asyncio.wait_for(self._client.ping(), timeout_s)
+        try:
+            cluster = await asyncio.wait_for(self._client.info("cluster"), timeout_s)
+        except ResponseError:
+            cluster = {}  # INFO may be denied (a managed Redis's ACL): the probe's two keys still tell
+        if cluster.get("cluster_enabled"):
+            raise RedisUnsupported(
+                f"redis.url ({without_password(self.cfg.url or '')}) is a Redis Cluster: kvgate's scripts each "
+                "read and write several keys, which a cluster refuses; use a standalone Redis (a primary, with "
+                "replicas or Sentinel for failover)"
+            )
+        keys = [self.key("probe", self.replica_id), self.key("probe", self.replica_id + ":2")]
+        try:
+            await asyncio.wait_for(self._write_probe(keys=keys), timeout_s)
+        except ResponseError as exc:
+            if str(exc) != self._last_refusal:  # the server answers but refuses: say why, once per reason
+                self._last_refusal = str(exc)
+                log.warning("redis answers but refuses kvgate's writes: %s", exc)
+            raise
 
     async def close(self) -> None:
         self._closed = True
@@ -497,14 +542,32 @@ class RedisState:
                 # drop them all, so the first request after recovery does not trip over one.
                 await self._client.connection_pool.disconnect()
             try:
-                await asyncio.wait_for(self._client.ping(), max(self.cfg.timeout_s, 0.5))
+                await self._usable(max(self.cfg.timeout_s, 0.5))
                 # A restarted Redis has an empty script cache: load them now, not on a request's time.
-                for script in (self._check, self._refund, self._acquire, self._renew, self._claim, self._restate):
+                for script in self._scripts():
                     await asyncio.wait_for(self._client.script_load(script.script), max(self.cfg.timeout_s, 0.5))
             except (RedisError, OSError, TimeoutError):
                 continue
+            except RedisUnsupported as exc:  # it became one since start-up: stay down, and say why
+                log.error("%s", exc)
+                continue
+            except Exception:  # never let the probe die: nothing else would bring Redis back
+                log.exception("redis probe failed")
+                continue
             self._set_health(True)
             return
+
+    def _scripts(self) -> tuple[AsyncScript, ...]:
+        return (
+            self._check,
+            self._refund,
+            self._acquire,
+            self._release,
+            self._renew,
+            self._claim,
+            self._restate,
+            self._write_probe,
+        )
 
     async def _call(self, op: Callable[[], Awaitable[T]]) -> T:
         """Run one Redis operation within ``timeout_s``. A refused connection marks Redis down at once; a

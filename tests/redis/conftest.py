@@ -6,7 +6,7 @@ import shutil
 import signal
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -18,13 +18,14 @@ REDIS_SERVER = shutil.which("redis-server")
 
 
 class RedisServer:
-    def __init__(self) -> None:
+    def __init__(self, *extra: str) -> None:
+        """``extra``: more of redis-server's options (``--replicaof``, ``--cluster-enabled``, ...)."""
         assert REDIS_SERVER is not None
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.dir = tempfile.mkdtemp(prefix="kvgate-redis-")
         argv = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = Proc("redis", [*argv, "--dir", self.dir])
+        self.proc = Proc("redis", [*argv, "--dir", self.dir, *extra])
         self.start()
 
     def start(self) -> None:
@@ -58,3 +59,19 @@ def redis_server() -> Iterator[RedisServer]:
     server = RedisServer()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def redis_servers() -> Iterator[Callable[..., RedisServer]]:
+    """``redis_servers(*options)`` starts another redis-server; all are stopped at teardown."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    started: list[RedisServer] = []
+
+    def start(*extra: str) -> RedisServer:
+        started.append(RedisServer(*extra))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()

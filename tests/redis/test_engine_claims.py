@@ -200,3 +200,56 @@ async def test_a_higher_class_at_another_replica_goes_first_and_a_lower_one_does
     assert await a.claim(ENGINE, "3", 10, 29, None, waited_s=60.0, priority=standard) == (False, 30)
     assert await b.claim(ENGINE, "9", 30, 100, None, waited_s=0.5, priority=critical) == (True, 10)  # b's head in
     assert await a.claim(ENGINE, "4", 10, 100, None, waited_s=60.0, priority=standard) == (True, 30)  # a claim now
+
+
+async def test_claims_whose_leases_were_evicted_do_not_count_forever(
+    replicas: tuple[RedisEngineBooks, RedisEngineBooks],
+) -> None:
+    """Under a maxmemory policy that evicts keys with a TTL, the leases key may go alone: the blocks it timed
+    would then never expire, and every live replica's restate would keep renewing them. A claim without a lease
+    is dropped when next weighed."""
+    a, b = replicas
+    now = SampleMark(PROCESS, 1000.0)
+    await b.restate(ENGINE, {"9": (100, 0)}, now)
+    assert await a.restate(ENGINE, {}, now) == 100
+    leases, blocks = a.redis._engine_keys(ENGINE)[:2]
+    await a.redis._client.delete(leases)  # evicted
+    assert await a.claim(ENGINE, "1", 10, 50, now) == (True, 0)
+    assert await a.redis._client.hkeys(blocks) == [f"{a.redis.replica_id}:1".encode()]
+    await b.restate(ENGINE, {"9": (100, 0)}, now)  # a live replica's next restate puts its claim back
+    assert await a.restate(ENGINE, {"1": (10, 0)}, now) == 100
+
+
+async def test_expired_peaks_go_when_replicas_weigh_against_samples(redis_server: RedisServer) -> None:
+    """Every replica started says its peak; weighed against samples (exclusive_upstream off) the peaks are not
+    read, and expired ones still go, or each restart of a replica would add one for good."""
+    states = [RedisState(RedisConfig(url=redis_server.url, timeout_s=0.5)) for _ in range(4)]
+    for state in states:
+        await state.start()
+    try:
+        now = SampleMark(PROCESS, 1000.0)
+        for state in states[:3]:  # three replicas that say their peak, then die
+            await RedisEngineBooks(state, lease_s=1.0).restate(ENGINE, {}, now, peak=(1, 5), upto=0)
+        live = RedisEngineBooks(states[3], lease_s=60)
+        peaks = states[3]._engine_keys(ENGINE)[4]
+        assert await states[3]._client.hlen(peaks) == 3
+        await asyncio.sleep(1.5)
+        await live.restate(ENGINE, {}, now, peak=(1, 0), upto=0)
+        assert await states[3]._client.hkeys(peaks) == [states[3].replica_id.encode() + b":"]
+    finally:
+        for state in states:
+            await state.close()
+
+
+async def test_a_shorter_lease_never_cuts_a_keys_life_short(
+    replicas: tuple[RedisEngineBooks, RedisEngineBooks],
+) -> None:
+    """Replicas of two configurations (a rolling update): the one with the shorter lease renews the engine's
+    keys without shortening the life the longer lease gave them."""
+    a, b = replicas  # 60 s leases
+    now = SampleMark(PROCESS, 1000.0)
+    await b.restate(ENGINE, {"9": (40, 0)}, now)
+    short = RedisEngineBooks(a.redis, lease_s=2.0)
+    await short.restate(ENGINE, {"1": (10, 0)}, now)
+    for key in a.redis._engine_keys(ENGINE)[:2]:
+        assert await a.redis._client.pttl(key) > 100_000  # what b's 60 s lease gave it, not 4 s

@@ -171,6 +171,10 @@ def test_a_key_given_twice_is_refused_where_it_is(text: str, where: str, why: st
             "must exceed telemetry.scrape_interval_s",
         ),
         ("admission:\n  stale_ledger_cap: 1.0\n", "stale_ledger_cap must be at most high_watermark"),
+        (
+            "redis: {url: 'redis://r:6379/0'}\ntelemetry: {scrape_interval_s: 5}\nadmission: {stale_after_s: 8}\n",
+            "must exceed twice telemetry.scrape_interval_s + scrape_timeout_s (6)",
+        ),
     ],
 )
 def test_what_could_never_work_is_refused_by_validate_not_at_start_up(tmp_path: Path, text: str, why: str) -> None:
@@ -197,6 +201,10 @@ def test_what_an_operator_may_legitimately_write_is_still_accepted() -> None:
     """Lowering the watermarks alone (docs/pool.md suggests it as replicas grow) lowers the stale ledger's cap
     with them; every key revoked under require_api_key is a lock-down, which a reload must be able to apply; a
     key with a non-ASCII letter matches a client that sends it in Latin-1."""
+    # a slow scrape without shared engine books, or with a lease to match it
+    slow = "telemetry: {scrape_interval_s: 5}\nadmission: {stale_after_s: 8}\n"
+    parse_config("redis: {url: 'redis://r:6379/0', share_engine_reservations: false}\n" + slow)
+    parse_config("redis: {url: 'redis://r:6379/0', reservation_lease_s: 13}\n" + slow)
     lowered = parse_config("admission:\n  high_watermark: 0.7\n  low_watermark: 0.6\n")
     assert lowered.admission.stale_ledger_cap == 0.75  # applied as min(cap, high_watermark)
     locked = parse_config("auth:\n  require_api_key: true\ntenants:\n  - name: t\n    api_keys: []\n")
