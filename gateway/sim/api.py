@@ -24,6 +24,7 @@ ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) 
 SIM_OUTPUT_FIELD = "sim_output_tokens"
 
 
+PROMPT_FORMS = "prompt must be a string, a list of token ids, or a list of those"
 # vLLM's CompletionRequest default when a completion sends no max_tokens
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -58,8 +59,8 @@ class Plan:
     """A validated generation request."""
 
     kind: str  # "completion" or "chat"
-    prompt_len: int
-    max_tokens: int
+    prompt_lens: tuple[int, ...]  # one per prompt: a completions batch has several, each its own engine request
+    max_tokens: tuple[int, ...]  # each prompt's output budget, clamped to what its context leaves
     stream: bool
     include_usage: bool
     model: str
@@ -67,6 +68,11 @@ class Plan:
     min_tokens: int = 0
     ignore_eos: bool = False
     stream_interval: int = 1  # tokens per streamed event (vLLM's, raised to the server's --stream-interval)
+
+    @property
+    def prompt_len(self) -> int:
+        """Over the batch's prompts, as vLLM's usage sums them."""
+        return sum(self.prompt_lens)
 
 
 def token_text(index: int) -> str:
@@ -106,9 +112,9 @@ def plan_request(
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list", "BadRequestError", "messages")
-        prompt_len = count_chat(body)
+        counts = [count_chat(body)]
     else:
-        prompt_len = _count_prompt(body.get("prompt"), count_text)
+        counts = [_count_prompt(prompt, count_text) for prompt in _prompts(body.get("prompt"))]
     truncate = body.get("truncate_prompt_tokens")
     if isinstance(truncate, int) and not isinstance(truncate, bool) and truncate >= -1:
         if truncate > max_model_len:
@@ -119,8 +125,8 @@ def plan_request(
                 "truncate_prompt_tokens",
             )
         # vLLM keeps that many of the prompt's tokens; -1: the context, less one token to generate
-        prompt_len = min(prompt_len, max_model_len - 1 if truncate == -1 else truncate)
-        if prompt_len < 1:
+        counts = [min(n, max_model_len - 1 if truncate == -1 else truncate) for n in counts]
+        if min(counts) < 1:
             raise ApiError(400, "The decoder prompt cannot be empty", "BadRequestError")
     # chat's max_completion_tokens, when not null, over max_tokens; completions have no such field
     raw_max = body.get("max_tokens")
@@ -128,20 +134,7 @@ def plan_request(
         raw_max = body["max_completion_tokens"]
     if raw_max is None and kind != "chat":
         raw_max = COMPLETIONS_DEFAULT_MAX_TOKENS  # vLLM's CompletionRequest default
-    if prompt_len > max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
-            f"{prompt_len} input tokens, which exceeds this limit even without any output tokens. Please reduce "
-            "the length of the input prompt.",
-            "BadRequestError",
-            "input_tokens",
-        )
-    if prompt_len == max_model_len:  # fits, with no room left for output
-        raise ApiError(400, "max_tokens must be at least 1, got 0.", "BadRequestError", "max_tokens")
-    if raw_max is None:
-        max_tokens = max_model_len - prompt_len
-    else:
+    if raw_max is not None:
         if not isinstance(raw_max, int) or isinstance(raw_max, bool) or raw_max < 1:
             raise ApiError(400, "max_tokens must be at least 1", "BadRequestError", "max_tokens")
         if raw_max > max_model_len:  # vLLM's TokenizeParams: refused before the prompt is looked at
@@ -152,13 +145,12 @@ def plan_request(
                 "BadRequestError",
                 "max_tokens",
             )
-        # vLLM's get_max_tokens: a cap past the context with the prompt is clamped to what is left, not refused
-        max_tokens = min(raw_max, max_model_len - prompt_len)
+    budgets = [_budget(n, raw_max, max_model_len) for n in counts]
     min_tokens = _int_field(body, "min_tokens", minimum=0) or 0
-    if min_tokens > max_tokens:
+    if min_tokens > min(budgets):
         raise ApiError(
             400,
-            f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+            f"min_tokens must be less than or equal to max_tokens={min(budgets)}, got {min_tokens}.",
             "BadRequestError",
             "min_tokens",
         )
@@ -172,8 +164,8 @@ def plan_request(
     include_usage = bool(stream and isinstance(options, Mapping) and options.get("include_usage"))
     return Plan(
         kind,
-        prompt_len,
-        max_tokens,
+        tuple(counts),
+        tuple(budgets),
         stream,
         include_usage,
         served_model,
@@ -194,15 +186,45 @@ def _int_field(body: Mapping[str, Any], name: str, *, minimum: int) -> int | Non
     return raw
 
 
+def _budget(prompt_len: int, raw_max: int | None, max_model_len: int) -> int:
+    """One prompt's output budget, as vLLM's get_max_tokens: the context's rest without a cap, a cap past it
+    clamped to it (not refused); a prompt that fills or passes the context is a 400."""
+    if prompt_len > max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt contains "
+            f"{prompt_len} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+            "the length of the input prompt.",
+            "BadRequestError",
+            "input_tokens",
+        )
+    if prompt_len == max_model_len:  # fits, with no room left for output
+        raise ApiError(400, "max_tokens must be at least 1, got 0.", "BadRequestError", "max_tokens")
+    rest = max_model_len - prompt_len
+    return rest if raw_max is None else min(raw_max, rest)
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """A completion's prompts, as vLLM reads its ``prompt``: a string or a list of token ids is one; a list of
+    those is a batch, each its own engine request."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and (all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt))
+    ):
+        return prompt  # strings, or lists of token ids: not both (vLLM's prompt types)
+    raise ApiError(400, PROMPT_FORMS, "BadRequestError", "prompt")
+
+
 def _count_prompt(prompt: Any, count_text: Callable[[str], int]) -> int:
     if isinstance(prompt, str):
         n = count_text(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         n = len(prompt)
-    elif isinstance(prompt, list) and len(prompt) == 1:
-        return _count_prompt(prompt[0], count_text)
     else:
-        raise ApiError(400, "prompt must be a string or a list of token ids", "BadRequestError", "prompt")
+        raise ApiError(400, PROMPT_FORMS, "BadRequestError", "prompt")
     if n < 1:
         raise ApiError(400, "The prompt cannot be empty.", "BadRequestError", "prompt")
     return n
@@ -225,23 +247,23 @@ class Renderer:
             "total_tokens": p + completion_tokens,
         }
 
-    def chunk(self, index: int, finish_reason: str | None, last: int | None = None) -> bytes:
-        """One SSE event carrying output tokens ``index`` to ``last`` (``index`` alone by default: vLLM batches
-        several only under a ``stream_interval``); an EOS (``stop``) token has no text, as in vLLM."""
+    def chunk(self, index: int, finish_reason: str | None, last: int | None = None, choice: int = 0) -> bytes:
+        """One SSE event carrying output tokens ``index`` to ``last`` (``index`` alone by default) of prompt
+        ``choice`` (of a completions batch); an EOS (``stop``) token has no text, as in vLLM."""
         last = index if last is None else last
         shown = last - 1 if finish_reason == "stop" else last
         text = "".join(token_text(i) for i in range(index, shown + 1))
         if self.plan.kind == "chat":
             delta: dict[str, Any] = {"content": text}
-            choice: dict[str, Any] = {
-                "index": 0,
+            body: dict[str, Any] = {
+                "index": choice,
                 "delta": delta,
                 "logprobs": None,
                 "finish_reason": finish_reason,
             }
         else:
-            choice = {
-                "index": 0,
+            body = {
+                "index": choice,
                 "text": text,
                 "logprobs": None,
                 "finish_reason": finish_reason,
@@ -252,7 +274,7 @@ class Renderer:
             "object": self.object,
             "created": self.created,
             "model": self.plan.model,
-            "choices": [choice],
+            "choices": [body],
         }
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
@@ -273,35 +295,40 @@ class Renderer:
         }
         return b"data: " + orjson.dumps(obj) + b"\n\n"
 
-    def full(self, completion_tokens: int, finish_reason: str) -> bytes:
-        words = completion_tokens - 1 if finish_reason == "stop" else completion_tokens  # EOS is counted, not shown
-        text = "".join(token_text(i) for i in range(1, words + 1))
-        if self.plan.kind == "chat":
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-            }
-            obj_type = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-            }
-            obj_type = "text_completion"
+    def full(self, outcomes: list[tuple[int, str]]) -> bytes:
+        """The whole answer: one choice per prompt, from its (tokens produced, finish reason); usage summed."""
+        choices: list[dict[str, Any]] = []
+        for index, (produced, finish_reason) in enumerate(outcomes):
+            words = produced - 1 if finish_reason == "stop" else produced  # EOS is counted, not shown
+            text = "".join(token_text(i) for i in range(1, words + 1))
+            if self.plan.kind == "chat":
+                choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": None,
+                        "finish_reason": finish_reason,
+                        "stop_reason": None,
+                    }
+                )
+            else:
+                choices.append(
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": finish_reason,
+                        "stop_reason": None,
+                    }
+                )
         return orjson.dumps(
             {
                 "id": self.id,
-                "object": obj_type,
+                "object": "chat.completion" if self.plan.kind == "chat" else "text_completion",
                 "created": self.created,
                 "model": self.plan.model,
-                "choices": [choice],
-                "usage": self.usage(completion_tokens),
+                "choices": choices,
+                "usage": self.usage(sum(produced for produced, _ in outcomes)),
             }
         )
 

@@ -377,33 +377,45 @@ class SimServer:
             return _error(err)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         request_id = f"{prefix}-sim{next(self._ids):08x}"
-        self.engine.add(
-            SimRequest(
-                request_id,
-                plan.prompt_len,
-                plan.max_tokens,
-                self.now(),
-                output_tokens=self._natural_length(plan),
-                min_tokens=plan.min_tokens,
-                ignore_eos=plan.ignore_eos,
-            )
-        )
-        ch = self.channels[request_id] = Channel()  # once the engine took it: nothing to leak if it did not
-        self.wake.set()
-        renderer = Renderer(plan, request_id)
+        # one engine request per prompt (vLLM's "<id>-<i>" for a batch's), all waking this handler
+        wake = asyncio.Event()
+        batch = len(plan.prompt_lens) > 1
+        channels: list[tuple[str, Channel]] = []
         try:
+            for i, (prompt_len, max_tokens) in enumerate(zip(plan.prompt_lens, plan.max_tokens, strict=True)):
+                engine_id = f"{request_id}-{i}" if batch else request_id
+                self.engine.add(
+                    SimRequest(
+                        engine_id,
+                        prompt_len,
+                        max_tokens,
+                        self.now(),
+                        output_tokens=self._natural_length(plan),
+                        min_tokens=plan.min_tokens,
+                        ignore_eos=plan.ignore_eos,
+                    )
+                )
+                # once the engine took it: nothing to leak if it did not
+                channels.append((engine_id, Channel(wake=wake)))
+                self.channels[engine_id] = channels[-1][1]
+            self.wake.set()
+            renderer = Renderer(plan, request_id)
+            chans = [ch for _, ch in channels]
             if plan.stream:
-                return await self._stream(request, plan, renderer, ch)
-            while not (ch.finished or ch.error):
-                ch.wake.clear()
-                await ch.wake.wait()
-            if ch.error is not None:
-                return _error(ch.error)
-            return web.Response(body=renderer.full(ch.produced, ch.finish_reason), content_type="application/json")
+                return await self._stream(request, plan, renderer, chans)
+            while not all(ch.finished for ch in chans) and not any(ch.error for ch in chans):
+                wake.clear()
+                await wake.wait()
+            error = next((ch.error for ch in chans if ch.error is not None), None)
+            if error is not None:
+                return _error(error)
+            outcomes = [(ch.produced, ch.finish_reason) for ch in chans]
+            return web.Response(body=renderer.full(outcomes), content_type="application/json")
         finally:
-            self.channels.pop(request_id, None)
-            if not ch.finished and ch.error is None:
-                self.engine.abort(request_id, self.now())
+            for engine_id, ch in channels:
+                self.channels.pop(engine_id, None)
+                if not ch.finished and ch.error is None:
+                    self.engine.abort(engine_id, self.now())
 
     def _natural_length(self, plan: Plan) -> int | None:
         """The body's ``sim_output_tokens``, else a draw from ``--output-tokens``, else none (runs to the cap).
@@ -417,35 +429,43 @@ class SimServer:
             return self.cfg.output_tokens.draw(self._lengths)
         return None
 
-    async def _stream(self, request: web.Request, plan: Plan, renderer: Renderer, ch: Channel) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, plan: Plan, renderer: Renderer, chans: list[Channel]
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
         await resp.prepare(request)
-        sent = 0
+        sent = [0] * len(chans)
+        wake = chans[0].wake  # shared by the batch's channels
         # vLLM's output processor: the first token at once, then an event per stream_interval tokens (the
         # request's, raised to the server's), and the rest when the request ends
         interval = max(plan.stream_interval, self.cfg.stream_interval)
         while True:
-            held = ch.produced - sent
-            if (held == 0 or (sent > 0 and held < interval)) and not ch.finished and ch.error is None:
-                ch.wake.clear()
-                await ch.wake.wait()
-                continue
-            finish = ch.finish_reason if ch.finished else None
-            role = [renderer.role_chunk()] if sent == 0 and plan.kind == "chat" and ch.produced > 0 else []
-            # every token since the last event in one: vLLM's output collector merges the deltas a stream's reader
-            # has not taken yet (a busy server sends fewer events than tokens)
-            parts = [renderer.chunk(sent + 1, finish, ch.produced)] if ch.produced > sent else []
-            parts = role + parts
-            sent = ch.produced
-            if ch.error is not None:
-                parts.append(sse_error(ch.error))
-            elif ch.finished and plan.include_usage:
-                parts.append(renderer.usage_chunk(sent))
-            if ch.error is not None or ch.finished:
-                parts.append(DONE)
-            await resp.write(b"".join(parts))
-            if ch.error is not None or ch.finished:
+            wake.clear()  # before looking: whatever the engine does from here on wakes the wait below
+            parts: list[bytes] = []
+            for i, ch in enumerate(chans):
+                held = ch.produced - sent[i]
+                if held == 0 or (sent[i] > 0 and held < interval and not ch.finished):
+                    continue
+                if sent[i] == 0 and plan.kind == "chat":
+                    parts.append(renderer.role_chunk())
+                # every token since its last event in one: vLLM's output collector merges the deltas a stream's
+                # reader has not taken yet (a busy server sends fewer events than tokens)
+                finish = ch.finish_reason if ch.finished else None
+                parts.append(renderer.chunk(sent[i] + 1, finish, ch.produced, choice=i))
+                sent[i] = ch.produced
+            error = next((ch.error for ch in chans if ch.error is not None), None)
+            done = all(ch.finished for ch in chans)
+            if error is not None:
+                parts.append(sse_error(error))
+            elif done and plan.include_usage:
+                parts.append(renderer.usage_chunk(sum(sent)))
+            if error is not None or done:
+                await resp.write(b"".join([*parts, DONE]))
                 break
+            if parts:
+                await resp.write(b"".join(parts))
+            else:
+                await wake.wait()
         await resp.write_eof()
         return resp
 

@@ -313,3 +313,68 @@ def test_kvgate_learns_a_batched_streams_length_from_the_usage_it_asks_for(
 
     assert expected_after(usage=False) == "60"
     assert expected_after(usage=True) == "60"
+
+
+def test_a_completions_batch_is_one_engine_request_per_prompt(sim: StartSim) -> None:
+    """A list of prompts, as vLLM serves it: each its own engine request with its own budget (what its context
+    leaves), one choice per prompt in order, usage summed; streamed, each prompt's events carry its index."""
+    proc = sim(*FAST, "--kv-scale", "0.05", "--max-model-len", "2048")
+    client = openai.OpenAI(base_url=proc.url + "/v1", api_key="x", max_retries=0)
+    prompts = [list(range(100)), list(range(2040)), list(range(10))]
+    done = client.completions.create(model=MODEL, prompt=prompts, max_tokens=20, extra_body={"ignore_eos": True})
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert [c.text for c in done.choices] == ["".join(map(token_text, range(1, n + 1))) for n in (20, 8, 20)]
+    assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (2150, 48)
+    text = httpx.get(proc.url + "/metrics").text
+    assert metric(text, "vllm:request_success_total", finished_reason="length") == 3
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=["hello there", "a longer prompt, of more words than the first"],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
+    by_prompt: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            by_prompt[choice.index] = by_prompt.get(choice.index, "") + choice.text
+    assert by_prompt == {0: "".join(map(token_text, range(1, 6))), 1: "".join(map(token_text, range(1, 6)))}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 10
+
+    mixed = httpx.post(proc.url + "/v1/completions", json={"model": MODEL, "prompt": ["a", [1, 2]]})
+    assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "prompt"
+    too_long = httpx.post(proc.url + "/v1/completions", json={"model": MODEL, "prompt": [[1], list(range(2049))]})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "input_tokens"
+
+
+def test_kvgate_admits_and_settles_a_completions_batch_as_the_engine_serves_it(
+    sim: StartSim, gateway: Callable[..., str]
+) -> None:
+    """A batch of prompts through kvgate: priced and reserved prompt by prompt, relayed whole (every choice, in
+    order), streamed with each prompt's index, and settled from the engine's summed usage; nothing held after."""
+    proc = sim(*FAST, "--kv-scale", "0.05", "--max-model-len", "2048")
+    gw = gateway(proc.url, {"tokenizer": "heuristic"})
+    client = openai.OpenAI(base_url=gw + "/v1", api_key="x", max_retries=0)
+    prompts = [list(range(100)), list(range(300)), list(range(10))]
+    done = client.completions.create(model=MODEL, prompt=prompts, max_tokens=20, extra_body={"ignore_eos": True})
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    assert all(c.text == "".join(map(token_text, range(1, 21))) for c in done.choices)
+    assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (410, 60)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompts[:2], max_tokens=7, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    assert all(c.usage is None for c in chunks)  # kvgate asked for the usage; the client did not, and gets none
+    deadline = time.monotonic() + 60
+    while (m := parse_metrics(httpx.get(gw + "/metrics").text))["kvgate_inflight_requests"] > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert m["kvgate_reserved_blocks"] == 0
+    assert metric_sum(m, "kvgate_completion_tokens_total") == 60 + 14  # the engine's usage, both answers
+    assert metric_sum(m, "kvgate_prompt_tokens_actual_total") == 410 + 400
