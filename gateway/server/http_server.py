@@ -82,6 +82,11 @@ class _HeadTooLarge(Exception):
     """Raised inside a parser callback when a request head passes ``MAX_STALL_BYTES``: ``431`` and close."""
 
 
+class _UnknownCoding(Exception):
+    """A transfer coding other than chunked alone (``gzip, chunked``): the parser would strip the chunking and
+    pass the rest on as if it were the body; ``501`` and close (RFC 9112 6.1)."""
+
+
 class HttpProtocol(asyncio.Protocol):
     """One client connection. See the module docstring; deadlines are class attributes, set by
     :func:`configured_protocol`, since uvicorn builds one protocol per connection from the class alone."""
@@ -100,6 +105,7 @@ class HttpProtocol(asyncio.Protocol):
         "_head_bytes",
         "_head_deadline",
         "_headers",
+        "_hosts",
         "_idle_deadline",
         "_in_head",
         "_last_read",
@@ -159,6 +165,7 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._expect_continue = False
+        self._hosts = 0  # Host headers of the request being parsed: HTTP/1.1 needs exactly one
         self._stall_bytes = 0  # bytes received since the last progress (a complete head, a piece of body)
         self._head_bytes = 0  # of the request head being parsed, counted by the parser's callbacks
         self._last_read = 0.0  # loop time of the latest read
@@ -222,6 +229,8 @@ class HttpProtocol(asyncio.Protocol):
                 self._stop_reading_requests()
             elif isinstance(cause, _HeadTooLarge):
                 self._refuse(431, "request head too large")
+            elif isinstance(cause, _UnknownCoding):
+                self._refuse(501, "a transfer coding other than chunked")
             else:
                 if cause is not None and not isinstance(cause, httptools.HttpParserError):
                     log.error("a parser callback failed", exc_info=cause)  # a bug, not the client's fault
@@ -323,6 +332,7 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._headers = []
         self._expect_continue = False
+        self._hosts = 0
         self._in_head = True
         self._head_bytes = 0  # a head that arrives in one read makes no stall: its size is counted here
         if self._body_cycle is not None:  # a later request: its head clock starts at its first byte
@@ -342,8 +352,12 @@ class HttpProtocol(asyncio.Protocol):
         if self._head_bytes > MAX_STALL_BYTES:  # inline: a call per header costs on the hot path
             raise _HeadTooLarge
         name = name.lower()
-        if name == b"expect" and value.lower() == b"100-continue":
+        if name == b"host":
+            self._hosts += 1
+        elif name == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
+        elif name == b"transfer-encoding" and value.strip().lower() != b"chunked":
+            raise _UnknownCoding
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -368,6 +382,8 @@ class HttpProtocol(asyncio.Protocol):
             # the parser stops at an Upgrade head and would hand the app an empty body in place of this one
             raise httptools.HttpParserError("an Upgrade request with a body")
         http_version = parser.get_http_version()
+        if self._hosts != 1 and http_version == "1.1":  # RFC 9112 3.2: none, or two that may disagree
+            raise httptools.HttpParserError("an HTTP/1.1 request needs exactly one Host header")
         scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
@@ -385,7 +401,8 @@ class HttpProtocol(asyncio.Protocol):
             "extensions": self._extensions,
         }
         keep_alive = http_version == "1.1" and parser.should_keep_alive()
-        cycle = RequestCycle(self, scope, keep_alive, self._expect_continue)
+        # an HTTP/1.0 client's Expect is ignored (RFC 9110 10.1.1): it waits for no 100
+        cycle = RequestCycle(self, scope, keep_alive, self._expect_continue and http_version == "1.1")
         self._body_cycle = cycle
         self._arm(self._last_read + self.body_timeout_s)
         if self.active is None:

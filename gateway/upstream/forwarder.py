@@ -93,9 +93,11 @@ def upstream_headers(
     lower-case, as ASGI servers give them), the client's key when kvgate has none of its own for the engine,
     the request id the engine knows this request by, kvgate's engine key if it has one, and the request's
     ``priority`` for an engine that schedules by it (``X-Vllm-Priority``, which vLLM reads before the body's
-    field on chat, completions and responses)."""
+    field on chat, completions and responses). Headers the client's ``Connection:`` names were for kvgate's hop
+    alone, and stay here."""
     forwarded = _FORWARDED_UP if api_key is not None else _FORWARDED_UP_WITH_KEY
-    headers = [(k, v) for k, v in client_headers if k in forwarded]
+    named = _connection_named(client_headers)
+    headers = [(k, v) for k, v in client_headers if k in forwarded and k not in named]
     headers.append((b"x-request-id", engine_request_id.encode("latin-1")))
     if api_key is not None:
         headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))

@@ -66,6 +66,7 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.paused = False  # reading paused until the caller takes what is buffered
         self.head_bytes = 0  # of the current answer's head, against the pool's limit
+        self.interim = False  # the message being parsed is a 1xx: its head is dropped, the final one follows
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
 
@@ -80,7 +81,7 @@ class _Connection(asyncio.Protocol):
         response.last_activity = response.loop.time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except httptools.HttpParserError as exc:  # also what a callback raised (more than one response, ...)
             response.fail(Disconnected(f"the engine sent an invalid HTTP response: {exc}"))
             self.close()
 
@@ -100,20 +101,39 @@ class _Connection(asyncio.Protocol):
                 response.fail(Disconnected(f"the engine closed the connection{f': {exc}' if exc else ''}"))
 
     # --- httptools callbacks ------------------------------------------------------------------------
+    # Raising in one stops the parser (feed_data raises), and data_received closes the connection.
+
+    def on_message_begin(self) -> None:
+        """A message after the answer's own final one (bytes past its Content-Length, a body after a 204 or
+        304, a second response in the same read): never parsed into this answer, and the connection is not
+        used again, or the next request would read them as its own answer."""
+        response = self.response
+        if response is None or response.complete:
+            raise Disconnected("the engine sent more than one response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         assert self.response is not None
         self.head_bytes += len(name) + len(value) + 4
         if self.head_bytes > self.pool.max_header_bytes:
-            self.response.fail(Disconnected(f"the engine's response head exceeds {self.pool.max_header_bytes} bytes"))
-            self.close()
-            return
+            error = Disconnected(f"the engine's response head exceeds {self.pool.max_header_bytes} bytes")
+            self.response.fail(error)
+            raise error
         self.response.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         response = self.response
         assert response is not None
-        response.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:  # interim (100 Continue, 103 Early Hints): the final one follows
+            self.interim = True
+            response.headers.clear()
+            self.head_bytes = 0
+            return
+        if not 200 <= status <= 599:  # 101 Switching Protocols, or no status HTTP has
+            error = Disconnected(f"the engine answered with status {status}")
+            response.fail(error)
+            raise error
+        response.status = status
         response.head_received()
 
     def on_body(self, body: bytes) -> None:
@@ -124,6 +144,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self.response is not None
+        if self.interim:  # the end of a 1xx: the answer itself is still to come
+            self.interim = False
+            return
         # idle from here: the engine's keep-alive timer starts as its response ends, not when our caller is done
         # relaying it (a slow client's stream can be released seconds later)
         self.idle_since = time.monotonic()
@@ -136,6 +159,7 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.response = response
         self.head_bytes = 0
+        self.interim = False
         self.transport.write(data)
 
     def resume(self) -> None:
@@ -298,9 +322,11 @@ class Response:
             self._waiter = None
 
     async def wait_head(self) -> None:
-        while not self.head_done:
-            if self._error is not None:
+        while True:
+            if self._error is not None:  # before the head: a head parsed past a failure is not to be relayed
                 raise self._error
+            if self.head_done:
+                return
             await self._wait()
 
 

@@ -209,6 +209,13 @@ def test_only_headers_the_engine_needs_are_forwarded() -> None:
         (b"authorization", b"Bearer engine-key"),
     ]
     assert upstream_headers(client, "engine-id", "engine-key", priority=-1)[-1] == (b"x-vllm-priority", b"-1")
+    # what the client's Connection: names is for its hop to kvgate alone (RFC 9110 7.6.1)
+    hop = [*client, (b"connection", b"traceparent, Accept")]
+    assert upstream_headers(hop, "engine-id", "engine-key") == [
+        kept[0],
+        engine_id,
+        (b"authorization", b"Bearer engine-key"),
+    ]
 
 
 def test_the_engine_priority_of_each_class_keeps_the_class_order_around_vllms_default() -> None:

@@ -585,3 +585,80 @@ async def test_close_closes_idle_connections() -> None:
             await pool.close()
             assert await observed(server.peers[0].eof)
         assert server.connections == 1
+
+
+# --- one answer per request: what an engine (or a proxy in front of it) sends beyond or before it ---------------
+
+
+async def test_interim_responses_are_skipped_and_the_final_one_is_the_answer() -> None:
+    """A client must take 1xx responses it did not ask for (RFC 9110 15.2): 100 Continue was relayed as the
+    final answer (and the real one, left on the connection, reached the next request); 103's headers joined
+    the answer's."""
+
+    async def handle(peer: Peer) -> None:
+        while await peer.read_request() is not None:
+            await peer.send(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await peer.send(b"HTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n")
+            await peer.send(response_bytes(b"final %d" % peer.index))
+
+    async with Server(handle) as server, open_pool(server.url) as pool:
+        async with await pool.request("POST", "/v1/x", [], b"{}", TIMEOUT_S) as response:
+            assert (response.status, await response.read()) == (200, b"final 0")
+            assert response.header(b"link") is None
+        assert await get(pool) == (200, b"final 0")  # the same connection, reused: nothing left over on it
+        assert server.connections == 1
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        response_bytes(b"first") + response_bytes(b"smuggled", b"x-evil: 1"),  # past its Content-Length
+        b"HTTP/1.1 204 No Content\r\ncontent-length: 5\r\n\r\n" + response_bytes(b"EVIL"),  # a 204 has no body
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+        + chunk(b"data: [DONE]\n\n")
+        + b"0\r\n\r\n"
+        + response_bytes(b"after the stream"),
+    ],
+    ids=["past-content-length", "body-after-204", "after-the-last-chunk"],
+)
+async def test_bytes_after_the_answer_are_never_read_as_an_answer(reply: bytes) -> None:
+    """Sent in one write with the answer: its first message is the answer, whole and alone, and the connection
+    is closed (not pooled), so no later request reads the rest as its own."""
+
+    async def handle(peer: Peer) -> None:
+        while await peer.read_request() is not None:
+            await peer.send(reply if peer.index == 0 else response_bytes(b"clean"))
+
+    async with Server(handle) as server, open_pool(server.url) as pool:
+        async with await pool.request("POST", "/v1/x", [], b"{}", TIMEOUT_S) as response:
+            body = await response.read()
+            assert response.header(b"x-evil") is None and b"EVIL" not in body and b"smuggled" not in body
+            assert b"after the stream" not in body
+        assert await observed(server.peers[0].eof)  # that connection is done
+        assert await get(pool) == (200, b"clean")  # the next request: a new connection, its own answer
+        assert server.connections == 2
+
+
+@pytest.mark.parametrize("status", [b"101 Switching Protocols", b"600 Nope"])
+async def test_a_status_that_is_no_answer_is_disconnected(status: bytes) -> None:
+    async def handle(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\n\r\n")
+        await peer.until_eof()
+
+    async with Server(handle) as server, open_pool(server.url) as pool:
+        with pytest.raises(Disconnected, match="status"):
+            await get(pool)
+
+
+async def test_a_head_over_the_limit_in_one_read_is_not_relayed() -> None:
+    """The limit stops the parser: the head it cut short is never handed over as the answer's."""
+
+    async def handle(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(response_bytes(b"x", b"x-big: " + b"a" * 4000) + b"\r\n")
+        await peer.until_eof()
+
+    async with Server(handle) as server, open_pool(server.url, max_header_bytes=1024) as pool:
+        with pytest.raises(Disconnected, match="exceeds 1024 bytes"):  # no head handed over, no 200 relayed
+            await pool.request("POST", "/v1/x", [], b"{}", TIMEOUT_S)

@@ -148,6 +148,34 @@ async def test_expect_100_continue_is_answered_when_the_body_is_read(echo_server
     writer.close()
 
 
+async def test_an_http_1_0_expect_is_ignored(echo_server: Served) -> None:
+    """RFC 9110 10.1.1: an HTTP/1.0 client knows no 100 Continue; it would read one as its answer."""
+    reader, writer = await echo_server.connect()
+    writer.write(b"POST /echo HTTP/1.0\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\nhello")
+    raw = await reader.read()
+    assert raw.startswith(b"HTTP/1.1 200 ") and raw.endswith(b"hello") and b"100 Continue" not in raw
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"GET / HTTP/1.1\r\n\r\n", b"400"),  # no Host
+        (b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", b"400"),  # two, which may disagree
+        (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", b"501"),
+    ],
+    ids=["no-host", "two-hosts", "gzip-chunked"],
+)
+async def test_a_request_framed_or_addressed_ambiguously_is_refused(
+    echo_server: Served, head: bytes, status: bytes
+) -> None:
+    """RFC 9112: an HTTP/1.1 request has exactly one Host (3.2); a transfer coding other than chunked is not
+    served (6.1): the parser would take the chunking off and pass gzip bytes on as the body."""
+    reader, writer = await echo_server.connect()
+    writer.write(head)
+    assert (await reader.read()).startswith(b"HTTP/1.1 " + status + b" ")
+    assert echo_server.scopes == []
+
+
 async def test_http_1_0_gets_its_answer_then_the_close() -> None:
     async def no_length(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
