@@ -372,9 +372,12 @@ class Admitter:
 
     def progress(self, reservation: Reservation, generated: int, lead_tokens: int = 0) -> None:
         cost = reservation.cost
+        first = reservation.first_token_at is None
         self.controller.progress(reservation, generated, self.clock(), lead_tokens)
         if reservation.cost is not cost:  # it outran its estimate: the other replicas must hear of it now
             self._restate_later(reservation.engine)
+        if first and self._waiters:  # no longer counted whole: the lockstep peak fell, and the head may fit
+            self.pump()
 
     def pump(self) -> None:
         """Wake every queued request that fits now; when no engine is left to take any (the pool emptied),
@@ -403,7 +406,8 @@ class Admitter:
             loop = asyncio.get_running_loop()
             timer = loop.call_at(loop.time() + max(0.001, ticket.deadline - now), self._expire, ticket.id)
             self._waiters[ticket.id] = (ticket, future, timer)
-        for ticket in self.controller.expire(now):
+        expired = self.controller.expire(now)
+        for ticket in expired:
             _, future, _ = self._waiters.pop(ticket.id)
             if not future.done():
                 position = 1 + len(self.controller.queue)
@@ -419,6 +423,8 @@ class Admitter:
                         },
                     )
                 )
+        if expired and self._waiters:  # a head that did not fit is gone: those behind it may
+            self.pump()
 
     # --- the scrapers' subscriber (one feed per engine) ---------------------------------------------------
 

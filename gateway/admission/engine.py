@@ -210,7 +210,8 @@ class EngineBook:
             if self.config.stale_policy != "ledger" or not self._ledger_bounds_engine():
                 return None
             return ledger.reserved_blocks + extra_blocks + others
-        if self.config.growth_model == "lockstep":
+        lockstep = self.config.growth_model == "lockstep"
+        if lockstep:
             ours = ledger.peak_blocks(slack_blocks=int(BOUND_SLACK * self.geometry.num_blocks))
         else:
             ours = ledger.reserved_blocks
@@ -218,12 +219,16 @@ class EngineBook:
         sampled = round(self.sample.usage * self.geometry.num_blocks)
         if self.config.exclusive_upstream and (self.others_blocks is not None or not self.shared):
             # The engine is ours (and the other replicas' claims'), but the sample still bounds the ledger from
-            # below: what it shows beyond all we had reserved when it was taken is real and not in the ledger
-            # (answers that outgrew an expected-output reservation unseen: not streamed, or several tokens per
-            # event; a kvgate process's requests before it restarted; claims a replica that lost Redis, or a
-            # restarted Redis, does not show). Reservations released since do not count against it: a finished
+            # below: what it shows beyond what the ledger counted then is real and not in the ledger (answers
+            # that outgrew an expected-output reservation unseen: not streamed, or several tokens per event; a
+            # kvgate process's requests before it restarted; claims a replica that lost Redis, or a restarted
+            # Redis, does not show). Under lockstep what the ledger counted is its model of that moment, not
+            # the whole reservations: streams whose events ran behind their tokens (vLLM merges the deltas a busy
+            # API server has not sent; a relay held up by a slow client) hold more than the model grows them
+            # from, and will go on holding it. Reservations released since do not count against it: a finished
             # request's room is refilled at once, not a scrape later.
-            beyond = sampled - ledger.sample_reserved_blocks
+            counted = ledger.sample_modelled_blocks if lockstep else ledger.sample_reserved_blocks
+            beyond = sampled - counted
             return ours + extra_blocks + max(others, beyond)
         # Whatever the sample shows beyond what we know to be ours belongs to someone else.
         external = max(0, sampled - ledger.in_sample_blocks)

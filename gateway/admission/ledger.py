@@ -73,6 +73,10 @@ class Ledger:
         # what our reservations covered while the latest sample was taken (the more of its start and end): what
         # the sample shows beyond it is not ours, or is ours beyond what we reserved
         self.sample_reserved_blocks = 0
+        # what the lockstep model said our reservations held at that moment (decoding ones as far as they were
+        # seen, plus the engine's lead; the others whole): the sample beyond it is what the model missed
+        self.sample_modelled_blocks = 0
+        self._modelled_at_begin = 0
         self.reserved_count = 0
         self.released_count = 0
         self.last_id = 0  # the newest reservation's id: ids only grow, so any made later is above it
@@ -149,6 +153,7 @@ class Ledger:
     def begin_sample(self) -> None:
         """A scrape starts now: note how much of each request the engine certainly holds at this moment."""
         self._reserved_at_begin = self.reserved_blocks
+        self._modelled_at_begin = self.modelled_blocks()
         for res in self._live.values():
             if res.first_token_at is None:
                 res.pending_sample_blocks = 0
@@ -163,6 +168,20 @@ class Ledger:
             total += res.in_sample_blocks
         self._in_sample_blocks = total
         self.sample_reserved_blocks = max(self._reserved_at_begin, self.reserved_blocks)
+        self.sample_modelled_blocks = max(self._modelled_at_begin, self.modelled_blocks())
+
+    def modelled_blocks(self) -> int:
+        """What the lockstep model says the live reservations hold now (the start of :meth:`peak_blocks`'s
+        schedule): a decoding request what it was seen to generate plus the engine's lead, the rest whole."""
+        held = self._waiting_blocks
+        bs = self.block_size
+        for res in self._decoding.values():
+            out, seqs, _, blocks, _, _ = res.shape
+            per_seq = min(out, res.generated // seqs) + ENGINE_LEAD_TOKENS
+            if res.lead_tokens:
+                per_seq = max(per_seq, min(per_seq + res.lead_tokens, out))
+            held += min(blocks, res.cost.blocks_after(per_seq * seqs, bs))
+        return held
 
     @property
     def in_sample_blocks(self) -> int:

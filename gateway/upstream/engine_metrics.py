@@ -11,6 +11,7 @@ used blocks over total blocks when each engine's ``num_gpu_blocks`` is known, el
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -110,6 +111,8 @@ def parse_engine_metrics(text: str) -> EngineMetrics:
     tokens: float | None = None
     multi_token_steps = False
     for name, labels, value in samples(text):
+        if not math.isfinite(value):  # a NaN usage failed every decision; a NaN start time read as a restart
+            raise MetricsFormatError(f"{name}: {value!r} is not a finite value")
         engine = labels.get("engine", "0")
         if name == USAGE_METRIC:
             usage[engine] = value

@@ -126,7 +126,10 @@ class Scraper:
             multi_token_steps=engine.multi_token_steps,
         )
         for subscriber in self.subscribers:
-            subscriber.sample(sample)
+            try:
+                subscriber.sample(sample)
+            except Exception:  # a bug there must not end this engine's scrapes for good (nothing restarts them)
+                log.exception("a subscriber failed on the sample of %s", self.upstream)
         recovered = self.last_error is not None
         if recovered:
             log.info("upstream metrics recovered after: %s", self.last_error)

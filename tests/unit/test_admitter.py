@@ -708,3 +708,40 @@ async def test_a_whole_answer_of_several_sequences_its_client_left_is_billed_for
     clock.now = 110.0
     capped.close(asyncio.CancelledError())
     assert counters.settled == [16 + 3 * 100, 16 + 3 * 40]
+
+
+async def test_a_head_that_expires_lets_the_one_behind_it_in_at_once() -> None:
+    """The head waited for room it never got; the request behind it fits: it goes in when the head's deadline
+    passes, not at the next sample or release."""
+    admitter, clock = make(output_estimate={"enabled": False})
+    held = (await admitter.acquire(rc(60), "a")).reservation  # 60 of the 90 the watermark allows
+    head = asyncio.ensure_future(admitter.acquire(rc(40), "a", max_wait_s=1.0))
+    await asyncio.sleep(0)
+    behind = asyncio.ensure_future(admitter.acquire(rc(20), "a", max_wait_s=10.0))
+    await asyncio.sleep(0)
+    assert len(admitter.controller.queue) == 2
+    clock.now = 1.0
+    admitter._expire()  # the head's timer
+    await asyncio.sleep(0)
+    assert isinstance(head.exception(), GatewayError)
+    assert behind.done() and len(admitter.controller.queue) == 0
+    admitter.release(behind.result().reservation, "completed")
+    admitter.release(held, "completed")
+    assert admitter.controller.ledger.reserved_blocks == 0
+
+
+async def test_a_first_token_that_lowers_the_peak_lets_the_head_in() -> None:
+    """Under lockstep a request counts whole until its first token; then it counts as it will grow, which may
+    leave the head of the queue room at once."""
+    admitter, _ = make(output_estimate={"enabled": False}, growth_model="lockstep")
+    ending = (await admitter.acquire(rc(40), "a")).reservation
+    admitter.progress(ending, 600)  # 24 tokens from its end
+    starting = (await admitter.acquire(rc(40), "a")).reservation  # counted whole: 80 of 90
+    head = asyncio.ensure_future(admitter.acquire(rc(16), "a", max_wait_s=10.0))
+    await asyncio.sleep(0)
+    assert not head.done()
+    admitter.progress(starting, 1)  # decoding: a few blocks when the other ends, all 40 only after it
+    await asyncio.sleep(0)
+    assert head.done() and not head.cancelled() and head.exception() is None
+    for res in (ending, starting, head.result().reservation):
+        admitter.release(res, "completed")

@@ -146,6 +146,16 @@ def test_a_value_that_is_not_a_number_fails_the_scrape() -> None:
         parse_engine_metrics('vllm:kv_cache_usage_perc{engine="0"} 0.5\nvllm:num_requests_running{engine="0"} abc\n')
 
 
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf"])
+def test_a_value_that_is_not_finite_fails_the_scrape(value: str) -> None:
+    """A NaN usage made every admission decision raise (round(nan)) until the sample went stale; a NaN start
+    time would read as a restart at every scrape, dropping every reservation."""
+    for series in ("vllm:kv_cache_usage_perc", "process_start_time_seconds"):
+        text = f'vllm:kv_cache_usage_perc{{engine="0"}} 0.5\n{series}{{engine="0"}} {value}\n'
+        with pytest.raises(MetricsFormatError, match="not a finite value"):
+            parse_engine_metrics(text)
+
+
 def test_an_engine_with_speculative_decoding_says_so_through_its_counters() -> None:
     """vLLM exposes vllm:spec_decode_* only with --speculative-config (and vllm:diffusion_* for a diffusion
     model): then a step may emit several tokens per sequence, and a stream's events are a floor of its tokens."""
