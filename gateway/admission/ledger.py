@@ -177,7 +177,7 @@ class Ledger:
         bs = self.block_size
         for res in self._decoding.values():
             out, seqs, _, blocks, _, _ = res.shape
-            per_seq = min(out, res.generated // seqs) + ENGINE_LEAD_TOKENS
+            per_seq = _seen(res.generated, res.shape) + ENGINE_LEAD_TOKENS
             if res.lead_tokens:
                 per_seq = max(per_seq, min(per_seq + res.lead_tokens, out))
             held += min(blocks, res.cost.blocks_after(per_seq * seqs, bs))
@@ -212,9 +212,7 @@ class Ledger:
         sequences = 0
         for res in self._decoding.values():
             out, seqs, prompt_total, blocks, _, _ = res.shape
-            seen = res.generated // seqs
-            if seen > out:
-                seen = out
+            seen = _seen(res.generated, res.shape)
             remaining = out - seen if seen < out else 1  # done generating: holds its blocks until it ends
             # sized as if the engine were ENGINE_LEAD_TOKENS ahead (and a batched stream's lead, never past its
             # budget), timed as if it were not: both err safe
@@ -294,6 +292,27 @@ class Ledger:
 
 
 def _shape(cost: RequestCost) -> Shape:
-    pairs = tuple(zip(cost.prompt_tokens, cost.output_budgets, strict=True))
+    # by budget: the first has the smallest, and a batch whose prompts have one budget shows it at once
+    pairs = tuple(sorted(zip(cost.prompt_tokens, cost.output_budgets, strict=True), key=_budget))
     copies = cost.sequences_per_prompt
     return cost.max_output, max(1, cost.num_sequences), cost.total_prompt_tokens, cost.blocks, copies, pairs
+
+
+_budget = operator.itemgetter(1)
+
+
+def _seen(generated: int, shape: Shape) -> int:
+    """Tokens each sequence still generating holds, from ``generated`` over all of them: the sequences that
+    reached their budget stopped there, and the others share the rest. An even share would size a batch's long
+    sequences short once its short ones are done."""
+    out, seqs, _, _, copies, pairs = shape
+    if not pairs or pairs[0][1] >= out:  # one budget for all (the usual case)
+        return min(out, generated // seqs)
+    left = generated // copies  # per copy of the batch
+    growing = len(pairs)
+    for _, budget in pairs:
+        if budget * growing >= left:
+            return left // growing
+        left -= budget  # this one is done: it holds its budget
+        growing -= 1
+    return out

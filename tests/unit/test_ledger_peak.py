@@ -35,6 +35,16 @@ def ledger_of(spec: list[tuple[list[int], int, list[int], int, bool, int]]) -> L
     return ledger
 
 
+def seen_per_sequence(cost: RequestCost, generated: int) -> int:
+    """The most tokens a still-growing sequence can hold with ``generated`` over all sequences, those whose
+    budget is smaller stopped at it (searched, not computed)."""
+    budgets = cost.output_budgets
+    s = 0
+    while s < cost.max_output and cost.sequences_per_prompt * sum(min(b, s + 1) for b in budgets) <= generated:
+        s += 1
+    return s
+
+
 def plain_peak(ledger: Ledger) -> int:
     """The definition, written the slow way."""
     fixed, decoding = 0, []
@@ -42,7 +52,7 @@ def plain_peak(ledger: Ledger) -> int:
         if res.first_token_at is None:
             fixed += res.blocks
             continue
-        seen = min(res.cost.max_output, res.generated // res.cost.num_sequences)
+        seen = seen_per_sequence(res.cost, res.generated)
         held = seen + ENGINE_LEAD_TOKENS
         if res.lead_tokens:
             held = max(held, min(held + res.lead_tokens, res.cost.max_output))
@@ -56,6 +66,18 @@ def plain_peak(ledger: Ledger) -> int:
         )
         peak = max(peak, held)
     return fixed + peak
+
+
+def test_a_batchs_long_sequences_are_not_sized_by_its_short_ones() -> None:
+    """Budgets of 10 and 1,000 (one prompt near the context): 510 tokens relayed are 10 in the short sequence
+    and 500 in the long one, not 255 each; the long one's blocks are counted from 500."""
+    cost = RequestCost((1600, 16), 1, 1000, blocks_for(1610, BS) + blocks_for(1016, BS), (10, 1000))
+    ledger = Ledger(BS)
+    res = ledger.reserve(cost, "t", 0.0, cost, ())
+    ledger.progress(res, 510, 0.1)
+    assert seen_per_sequence(cost, 510) == 500
+    assert ledger.modelled_blocks() == blocks_for(1610, BS) + blocks_for(16 + 500 + ENGINE_LEAD_TOKENS, BS)
+    assert ledger.peak_blocks() == plain_peak(ledger) == cost.blocks
 
 
 def sequences(ledger: Ledger) -> int:
