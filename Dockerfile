@@ -36,10 +36,9 @@ ENV PATH=/opt/kvgate/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HF_HUB_OFFLINE=1 \
-    KVGATE_PORT=8080 \
-    KVGATE_CONTROL_PORT=9090
+    KVGATE_PORT=8080
 USER 10001:10001
-# 8080: clients; 9090: /healthz, /readyz and /metrics (the default policy's listen.control_port)
+# 8080: clients; 9090: /readyz and /metrics (the default policy's listen.control_port; /healthz on both)
 EXPOSE 8080 9090
 # slim has no curl: probe /healthz with the standard library. Exit 0 only on HTTP 200.
 HEALTHCHECK --interval=15s --timeout=3s --start-period=30s --retries=3 \

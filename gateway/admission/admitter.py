@@ -376,8 +376,8 @@ class Admitter:
         self.controller.progress(reservation, generated, self.clock(), lead_tokens)
         if reservation.cost is not cost:  # it outran its estimate: the other replicas must hear of it now
             self._restate_later(reservation.engine)
-        if first and self._waiters:  # no longer counted whole: the lockstep peak fell, and the head may fit
-            self.pump()
+        if first and self._waiters and self.controller.config.growth_model == "lockstep":
+            self.pump()  # no longer counted whole: the lockstep peak fell, and the head may fit
 
     def pump(self) -> None:
         """Wake every queued request that fits now; when no engine is left to take any (the pool emptied),

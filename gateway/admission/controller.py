@@ -61,6 +61,9 @@ class Rejected:
 Decision = Admitted | Queued | Rejected
 
 
+RATE_SPAN_FLOOR_S = 0.25  # the default telemetry.scrape_interval_s
+
+
 class DrainRate:
     """Requests finished per second over a sliding window: the basis of Retry-After and queue ETAs."""
 
@@ -86,9 +89,10 @@ class DrainRate:
         self._trim(now)
         if len(self._events) < 2:
             return 0.0
-        # a burst of finishes in one instant is not a rate: over a second at least (32 within a millisecond read
-        # 32,000/s, and every queue ETA 0, so no wait was ever predicted too long)
-        span = max(now - self._events[0], min(1.0, self.window_s))
+        # a burst of finishes in one instant is not a rate: over a scrape's time at least (32 within a millisecond
+        # read 32,000/s, and every queue ETA 0); no longer, or the first burst after a lull reads slow, and
+        # requests that would be served are refused as hopeless
+        span = max(now - self._events[0], RATE_SPAN_FLOOR_S)
         return len(self._events) / span
 
 
@@ -540,8 +544,8 @@ class AdmissionController:
         book.ledger.progress(res, generated, now, lead_tokens)
         expected, full = res.cost.max_output, res.full.max_output
         if expected >= full:
-            return  # holds its whole budget already
-        seen = res.generated // max(1, res.cost.num_sequences)
+            return  # holds its whole budget already (a batch always does: see expected_cost)
+        seen = res.generated // max(1, res.cost.num_sequences)  # one sequence: no batch's share to work out
         if seen + ENGINE_LEAD_TOKENS + res.lead_tokens >= expected and book.geometry is not None:
             # it outran its estimate: expect what the requests that went this far went on to, or its budget
             longer = self.lengths.quantile(res.key, self.caution.quantile, above=seen)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import operator
+from bisect import bisect_left, insort
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from gateway.tokens.cost import RequestCost
 
 _reservation_ids = itertools.count(1)  # unique in the process, across engines that come and go
 ENGINE_LEAD_TOKENS = 8  # how far a decoding sequence may be ahead of the tokens the gateway has relayed
-EXACT_LIMIT = 256  # decoding requests up to which the peak is computed exactly (vLLM's usual max_num_seqs)
+EXACT_LIMIT = 64  # decoding requests up to which the peak is computed exactly (the exact count costs 3x the bound)
 # What the peak reads of a request's cost: (largest output budget, sequences, prompt tokens over all sequences,
 # blocks, sequences per prompt, (prompt, output budget) of each prompt)
 Shape = tuple[int, int, int, int, int, tuple[tuple[int, int], ...]]
@@ -233,14 +234,14 @@ class Ledger:
         A sequence holds ``min(cap, x + t)`` tokens at step ``t`` (``x``: its prompt and what it holds now;
         ``cap``: its prompt and budget). Going back in time a sequence only ever leaves its cap, so the capped
         ones wait in a heap until they do; the rest are summed through ``ceil((x + t) / bs) = q + u + [r + v >=
-        bs]`` (``x + bs - 1 = q bs + r``, ``t = u bs + v``): per instant, a sum of their ``q``, their count and a
-        histogram of their ``r``."""
+        bs]`` (``x + bs - 1 = q bs + r``, ``t = u bs + v``): per instant, a sum of their ``q``, their count and
+        how many of their ``r`` (kept sorted) reach ``bs - v``, whatever the block size."""
         bs = self.block_size
         round_up = bs - 1
         capped: list[tuple[int, int, int, int]] = []  # (x - cap: minus the step below which it grows, w, x, blocks)
         capped_blocks = 0  # of the sequences at their cap
         quotients = weight = 0  # of the growing ones: sum of w * q, sum of w
-        residues = [0] * bs  # of the growing ones: weight by r
+        residues: list[int] = []  # of the growing ones: each r, once per sequence, sorted
         peak = 0
         last = len(decoding) - 1
         for j, (remaining, per_seq, _, _, _, res) in enumerate(decoding):
@@ -256,7 +257,8 @@ class Ledger:
                     q, r = divmod(x + round_up, bs)
                     quotients += w * q
                     weight += w
-                    residues[r] += w
+                    for _ in range(w):
+                        insort(residues, r)
             if j < last and decoding[j + 1][0] == remaining:
                 continue  # the next has as much left: the same instant, with one more request held
             while capped and -capped[0][0] > t:  # below its cap from this step back: growing
@@ -265,9 +267,11 @@ class Ledger:
                 q, r = divmod(x + round_up, bs)
                 quotients += w * q
                 weight += w
-                residues[r] += w
+                for _ in range(w):
+                    insort(residues, r)
             u, v = divmod(t, bs)
-            held = capped_blocks + quotients + u * weight + sum(residues[bs - v :])  # v == 0: none rounds up
+            rounding = weight - bisect_left(residues, bs - v) if v else 0  # those with r + v >= bs
+            held = capped_blocks + quotients + u * weight + rounding
             if held > peak:
                 peak = held
         return peak
@@ -299,6 +303,11 @@ def _shape(cost: RequestCost) -> Shape:
 
 
 _budget = operator.itemgetter(1)
+
+
+def seen_per_sequence(res: Reservation) -> int:
+    """Output tokens each of ``res``'s sequences still generating is known to hold (see :func:`_seen`)."""
+    return _seen(res.generated, res.shape)
 
 
 def _seen(generated: int, shape: Shape) -> int:

@@ -288,10 +288,13 @@ local function others(leases, blocks, sampled, peaks, prefix, now, process, toke
   end
   local sum = 0
   for _, p in pairs(peak) do sum = sum + p end
+  -- blocks without a lease (the leases key was evicted, or lost alone) would never expire: gone now. Only
+  -- looked for when there are more blocks than leases, which a claim or restate never leaves
+  local orphans = redis.call('HLEN', blocks) > redis.call('ZCARD', leases)
   local all = redis.call('HGETALL', blocks)
   for i = 1, #all, 2 do
     local member = all[i]
-    if not redis.call('ZSCORE', leases, member) then
+    if orphans and not redis.call('ZSCORE', leases, member) then
       -- no lease (the leases key was evicted, or lost alone): nothing would ever expire it, so it goes now
       redis.call('HDEL', blocks, member)
       redis.call('HDEL', sampled, member)

@@ -96,8 +96,11 @@ def upstream_headers(
     field on chat, completions and responses). Headers the client's ``Connection:`` names were for kvgate's hop
     alone, and stay here."""
     forwarded = _FORWARDED_UP if api_key is not None else _FORWARDED_UP_WITH_KEY
-    named = _connection_named(client_headers)
-    headers = [(k, v) for k, v in client_headers if k in forwarded and k not in named]
+    headers = [(k, v) for k, v in client_headers if k in forwarded]
+    connection = [v for k, v in client_headers if k == b"connection"]
+    if connection and connection != [b"keep-alive"]:  # the usual value names nothing forwarded
+        named = _connection_named(client_headers)
+        headers = [(k, v) for k, v in headers if k not in named]
     headers.append((b"x-request-id", engine_request_id.encode("latin-1")))
     if api_key is not None:
         headers.append((b"authorization", b"Bearer " + api_key.encode("latin-1")))

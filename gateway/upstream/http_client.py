@@ -37,6 +37,7 @@ import httptools
 Headers = list[tuple[bytes, bytes]]
 
 _PAUSE_ABOVE_BYTES = 1 << 20  # buffered but not yet taken by the caller
+MAX_INTERIM = 8  # 1xx responses before an answer: more is an engine that never answers
 # Idle connections are dropped before uvicorn's 5 s keep-alive timeout in vLLM closes them, which would otherwise
 # race with the next request on the same connection.
 KEEPALIVE_S = 4.0
@@ -67,6 +68,7 @@ class _Connection(asyncio.Protocol):
         self.paused = False  # reading paused until the caller takes what is buffered
         self.head_bytes = 0  # of the current answer's head, against the pool's limit
         self.interim = False  # the message being parsed is a 1xx: its head is dropped, the final one follows
+        self.interims = 0  # of the current answer
 
     # --- asyncio.Protocol ---------------------------------------------------------------------------
 
@@ -125,6 +127,11 @@ class _Connection(asyncio.Protocol):
         assert response is not None
         status = self.parser.get_status_code()
         if 100 <= status < 200 and status != 101:  # interim (100 Continue, 103 Early Hints): the final one follows
+            self.interims += 1
+            if self.interims > MAX_INTERIM:
+                error = Disconnected(f"the engine sent {self.interims} interim responses")
+                response.fail(error)
+                raise error
             self.interim = True
             response.headers.clear()
             self.head_bytes = 0
@@ -138,6 +145,8 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         assert self.response is not None
+        if self.interim:  # a 1xx that says it has a body (only 100, 102 and 103 are known bodiless): not ours
+            return
         if self.response.feed(body) > _PAUSE_ABOVE_BYTES and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
@@ -160,6 +169,7 @@ class _Connection(asyncio.Protocol):
         self.response = response
         self.head_bytes = 0
         self.interim = False
+        self.interims = 0
         self.transport.write(data)
 
     def resume(self) -> None:

@@ -96,9 +96,17 @@ class Scraper:
             await asyncio.sleep(delay)
             self.metrics.loop_lag.observe(max(0.0, loop.time() - next_tick))
 
-    async def scrape_once(self) -> bool:
+    def _tell(self, what: str, *args: object) -> None:
+        """Each subscriber's ``what`` (scrape_started, scrape_failed, sample): an exception in one is logged,
+        never let end this engine's scrapes for good (nothing would restart them)."""
         for subscriber in self.subscribers:
-            subscriber.scrape_started()
+            try:
+                getattr(subscriber, what)(*args)
+            except Exception:
+                log.exception("a subscriber's %s failed for %s", what, self.upstream)
+
+    async def scrape_once(self) -> bool:
+        self._tell("scrape_started")
         started = self.clock()
         try:
             async with self.session().get(f"{self.upstream}/metrics", timeout=self.timeout) as resp:
@@ -109,8 +117,7 @@ class Scraper:
         except (aiohttp.ClientError, TimeoutError, MetricsFormatError, ValueError) as exc:
             self._failed(f"{type(exc).__name__}: {exc}")
             refused = isinstance(exc, aiohttp.ClientConnectorError)  # nothing listening, or no route to it
-            for subscriber in self.subscribers:
-                subscriber.scrape_failed(refused)
+            self._tell("scrape_failed", refused)
             return False
         previous = self.latest
         self.latest = sample = UsageSample(
@@ -125,11 +132,7 @@ class Scraper:
             tokens=engine.tokens,
             multi_token_steps=engine.multi_token_steps,
         )
-        for subscriber in self.subscribers:
-            try:
-                subscriber.sample(sample)
-            except Exception:  # a bug there must not end this engine's scrapes for good (nothing restarts them)
-                log.exception("a subscriber failed on the sample of %s", self.upstream)
+        self._tell("sample", sample)
         recovered = self.last_error is not None
         if recovered:
             log.info("upstream metrics recovered after: %s", self.last_error)

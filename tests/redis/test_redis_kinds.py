@@ -14,6 +14,7 @@ import pytest
 from gateway.config import RedisConfig
 from gateway.tenants.redis_store import RedisState, RedisUnavailable, RedisUnsupported
 from tests.redis.conftest import RedisServer
+from tests.support.procs import free_port
 
 pytestmark = pytest.mark.redis
 
@@ -55,7 +56,9 @@ async def replica_promoted(server: RedisServer) -> None:
 async def test_a_redis_cluster_stops_start_up_with_the_reason(
     redis_servers: Callable[..., RedisServer], tmp_path: Path
 ) -> None:
-    cluster = redis_servers("--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf"))
+    # the cluster bus port named: derived from a free port above 55535 it would be past 65535
+    nodes, bus = str(tmp_path / "nodes.conf"), str(free_port())
+    cluster = redis_servers("--cluster-enabled", "yes", "--cluster-config-file", nodes, "--cluster-port", bus)
     state = RedisState(RedisConfig(url=cluster.url, timeout_s=0.5))
     try:
         with pytest.raises(RedisUnsupported, match="Redis Cluster"):

@@ -230,3 +230,38 @@ async def test_a_name_without_addresses_empties_the_pool_and_a_failed_lookup_kee
     await pool.discover_once(discovery)
     assert list(pool.engines) == ["http://10.0.0.3:8000"]
     await pool.close()
+
+
+class Faulty:
+    """A subscriber whose every call raises, and one that counts what it was told."""
+
+    def __init__(self) -> None:
+        self.told: list[str] = []
+
+    def scrape_started(self) -> None:
+        self.told.append("started")
+        raise RuntimeError("a bug in a subscriber")
+
+    def scrape_failed(self, refused: bool) -> None:
+        self.told.append("failed")
+        raise RuntimeError("a bug in a subscriber")
+
+    def sample(self, sample: object) -> None:
+        self.told.append("sample")
+        raise RuntimeError("a bug in a subscriber")
+
+
+async def test_a_subscriber_that_raises_does_not_end_the_scrapes(
+    engine: tuple[GuardedModels, str], scraper: Callable[..., Scraper], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing restarts an engine's scrape loop: an exception from a subscriber (a NaN that broke a decision,
+    a bug) is logged, and the next subscriber and the next scrape are still told."""
+    _, url = engine
+    s = scraper(url)  # this engine has no /metrics: every scrape fails
+    faulty, counting = Faulty(), Faulty()
+    s.subscribers += [faulty, counting]
+    with caplog.at_level(logging.ERROR, logger="kvgate"):
+        assert await s.scrape_once() is False
+        assert await s.scrape_once() is False
+    assert counting.told == ["started", "failed", "started", "failed"]
+    assert sum("a subscriber's" in r.getMessage() for r in caplog.records) == 8

@@ -599,6 +599,7 @@ async def test_interim_responses_are_skipped_and_the_final_one_is_the_answer() -
         while await peer.read_request() is not None:
             await peer.send(b"HTTP/1.1 100 Continue\r\n\r\n")
             await peer.send(b"HTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n")
+            await peer.send(b"HTTP/1.1 199 Odd\r\ncontent-length: 5\r\n\r\nEVIL!")  # a 1xx llhttp reads a body of
             await peer.send(response_bytes(b"final %d" % peer.index))
 
     async with Server(handle) as server, open_pool(server.url) as pool:
