@@ -82,6 +82,10 @@ class _HeadTooLarge(Exception):
     """Raised inside a parser callback when a request head passes ``MAX_STALL_BYTES``: ``431`` and close."""
 
 
+class _UrlTooLong(_HeadTooLarge):
+    """The request target alone passes ``MAX_STALL_BYTES``: ``414`` (RFC 9110 15.5.15) and close."""
+
+
 class _UnknownCoding(Exception):
     """A transfer coding other than chunked alone (``gzip, chunked``): the parser would strip the chunking and
     pass the rest on as if it were the body; ``501`` and close (RFC 9112 6.1)."""
@@ -227,6 +231,8 @@ class HttpProtocol(asyncio.Protocol):
             cause = exc.__context__
             if isinstance(cause, _StopParsing):
                 self._stop_reading_requests()
+            elif isinstance(cause, _UrlTooLong):
+                self._refuse(414, "request target too long")
             elif isinstance(cause, _HeadTooLarge):
                 self._refuse(431, "request head too large")
             elif isinstance(cause, _UnknownCoding):
@@ -343,7 +349,7 @@ class HttpProtocol(asyncio.Protocol):
         self._url += url
         self._head_bytes += len(url)
         if self._head_bytes > MAX_STALL_BYTES:
-            raise _HeadTooLarge
+            raise _UrlTooLong
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._in_head:

@@ -333,6 +333,12 @@ async def test_oversized_head_gets_431_and_trailers_are_not_kept(echo_server: Se
     writer.close()
 
 
+async def test_a_request_target_too_long_gets_414(echo_server: Served) -> None:
+    reader, writer = await echo_server.connect()
+    writer.write(b"GET /" + b"a" * (MAX_STALL_BYTES + 10) + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await reader.read()).startswith(b"HTTP/1.1 414 ")
+
+
 async def test_pipelined_requests_past_the_limit_are_not_read(echo_server: Served) -> None:
     reader, writer = await echo_server.connect()
     writer.write(b"".join(post(b"%d" % i) for i in range(MAX_PIPELINED + 20)))
