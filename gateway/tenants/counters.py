@@ -340,16 +340,17 @@ class TenantCounters:
         if line:
             line[0].set()
 
-    def _release_redis(self, key: str, member: str) -> None:
+    def _release_redis(self, key: str, member: str, mark: bool = False) -> None:
         """ZREM in the background; if Redis does not take it, the next renewal retries it (else the member
-        would hold one of the tenant's slots on every replica until its lease runs out)."""
+        would hold one of the tenant's slots on every replica until its lease runs out). ``mark``: see
+        :meth:`RedisState.release`."""
         redis = self.redis
         if redis is None:
             return
 
         async def release() -> None:
             try:
-                await redis.release(key, member)
+                await redis.release(key, member, mark=mark)
             except RedisUnavailable:
                 self._unreleased.setdefault(member, (key, self.clock()))
                 raise
@@ -367,12 +368,15 @@ class TenantCounters:
         if self.redis is None or not self.redis.healthy:
             return  # the probe sets _renew_soon when Redis is back
         held = list(self._redis_held.values())
+        landed = False
         try:
             await self.redis.renew(held)
-        finally:  # a renewal that timed out may still have run, after a release it then undid
+            landed = True
+        finally:
             for key, member in held:
                 if member not in self._redis_held:  # released while the renewal was in flight: it put it back
-                    self._release_redis(key, member)
+                    # one that timed out may still land after this release: the mark keeps it from re-adding
+                    self._release_redis(key, member, mark=not landed)
         stale = self.clock() - self.cfg.slot_lease_s
         for member, (key, since) in list(self._unreleased.items()):
             if since < stale:

@@ -168,14 +168,20 @@ end
 return 0
 """
 
-# Give a slot back (KEYS[1] the set, KEYS[2] the member's release mark; ARGV: member, lease ms): a member not
-# there yet leaves the mark, for an acquire of it that may still be on its way (_ACQUIRE).
+# Give a slot back (KEYS[1] the set, KEYS[2] the member's release mark; ARGV: member, lease ms, '1' to leave the
+# mark whatever). The mark stays for a lease: an acquire of the member still on its way takes nothing
+# (_ACQUIRE), and neither does a renewal that left before the release and lands after it (_RENEW), or either
+# would hold the slot for a whole lease. Left when the member is not there yet (its acquire may be on its way),
+# or when the caller asks (a renewal of it timed out: it may still land).
 _RELEASE = """
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then redis.call('SET', KEYS[2], '1', 'PX', ARGV[2]) end
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 or ARGV[3] == '1' then
+  redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+end
 return 1
 """
 
-# Extend the leases of slots this replica still holds. KEYS: sets; ARGV: lease ms, then one member per key.
+# Extend the leases of slots this replica still holds. KEYS: sets, then each member's release mark (a member
+# released since is not put back); ARGV: lease ms, then one member per set.
 # A plain ZADD, not XX: a slot whose lease lapsed (Redis restarted or unreachable, a late renewal) is still held
 # by a running request, and must be counted again, or the other replicas admit past the limit on its account.
 # If one of them took the freed place meanwhile, the set is over the limit for a while and admits no one until
@@ -184,11 +190,15 @@ _RENEW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = tonumber(ARGV[1])
-for i, key in ipairs(KEYS) do
-  redis.call('ZADD', key, now + lease, ARGV[i + 1])
-  if redis.call('PTTL', key) < lease * 2 then redis.call('PEXPIRE', key, lease * 2) end
+local n = #KEYS / 2
+for i = 1, n do
+  local key = KEYS[i]
+  if redis.call('EXISTS', KEYS[n + i]) == 0 then
+    redis.call('ZADD', key, now + lease, ARGV[i + 1])
+    if redis.call('PTTL', key) < lease * 2 then redis.call('PEXPIRE', key, lease * 2) end
+  end
 end
-return #KEYS
+return n
 """
 
 
@@ -639,10 +649,12 @@ class RedisState:
         got = await self._call(lambda: self._acquire(keys=keys, args=[limit, member, lease_ms]))
         return int(got) == 1
 
-    async def release(self, key: str, member: str) -> None:
+    async def release(self, key: str, member: str, *, mark: bool = False) -> None:
+        """Give ``member``'s slot back; ``mark``: leave the release mark even if it was there (a renewal that
+        carries it may still be on its way)."""
         lease_ms = int(self.cfg.slot_lease_s * 1000)
         keys = [self.key("slots", key), self._release_mark(key, member)]
-        await self._call(lambda: self._release(keys=keys, args=[member, lease_ms]))
+        await self._call(lambda: self._release(keys=keys, args=[member, lease_ms, "1" if mark else "0"]))
 
     def _release_mark(self, key: str, member: str) -> str:
         return self.key("slot-released", f"{key}:{member}")
@@ -651,7 +663,7 @@ class RedisState:
         if not held:
             return
         lease_ms = int(self.cfg.slot_lease_s * 1000)
-        keys = [self.key("slots", k) for k, _ in held]
+        keys = [self.key("slots", k) for k, _ in held] + [self._release_mark(k, m) for k, m in held]
         await self._call(lambda: self._renew(keys=keys, args=[lease_ms, *(m for _, m in held)]))
 
     # --- blocks in flight per engine, shared by the replicas -----------------------------------------

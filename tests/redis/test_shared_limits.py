@@ -573,3 +573,22 @@ async def test_a_reload_that_cuts_the_limit_keeps_a_debt_and_makes_none(redis_se
         assert not refused.allowed and refused.retry_after_s == pytest.approx(30.3, abs=0.5)
     finally:
         await state.close()
+
+
+async def test_a_renewal_that_lands_after_a_marked_release_puts_nothing_back(redis_server: RedisServer) -> None:
+    """A renewal timed out on its way; the slot it carries was given back meanwhile. Released with the mark,
+    the renewal landing late takes nothing; a release without one (the renewal had landed) leaves no key."""
+    state = RedisState(rcfg(redis_server))
+    await state.start()
+    admin = aioredis.Redis(host="127.0.0.1", port=redis_server.port)
+    try:
+        assert await state.acquire("k", 2, "r1:1")
+        await state.release("k", "r1:1", mark=True)
+        await state.renew([("k", "r1:1")])  # the late renewal
+        assert await admin.zcard(state.key("slots", "k")) == 0
+        assert await state.acquire("k", 2, "r1:2")
+        await state.renew([("k", "r1:2")])  # a live member is renewed as ever
+        assert await admin.zcard(state.key("slots", "k")) == 1
+    finally:
+        await admin.aclose()
+        await state.close()
