@@ -138,26 +138,35 @@ async def _sdk_burst(base_url: str, stream: bool) -> list[BaseException | int]:
         await sdk.close()
 
 
+BURSTS = 3  # a stream's in-band refusal is vLLM's race (several pass its check before any is added): a few tries
+
+
 @pytest.mark.parametrize(("stream", "form"), [(False, "status"), (True, "sse")], ids=["plain-503", "sse-error"])
 def test_kvgate_turns_engine_busy_into_openai_503(gateway: Proc, stream: bool, form: str) -> None:
     forms = ("status", "sse")
-    seen0 = {f: busy_rejections(gateway, f) for f in forms}
-    results = asyncio.run(_sdk_burst(gateway.url, stream))
-    seen = {f: busy_rejections(gateway, f) - seen0[f] for f in forms}
+    met = dict.fromkeys(forms, 0.0)
+    for _ in range(BURSTS):
+        seen0 = {f: busy_rejections(gateway, f) for f in forms}
+        results = asyncio.run(_sdk_burst(gateway.url, stream))
+        seen = {f: busy_rejections(gateway, f) - seen0[f] for f in forms}
 
-    served = [r for r in results if isinstance(r, int)]
-    rejected = [r for r in results if isinstance(r, openai.APIStatusError)]
-    other = [r for r in results if isinstance(r, BaseException) and not isinstance(r, openai.APIStatusError)]
-    assert not other, f"not an HTTP status the SDK can act on (e.g. an in-band stream error): {other[:3]}"
-    assert served and rejected, f"{len(served)} served, {len(rejected)} rejected"
-    assert all(tokens == MAX_TOKENS for tokens in served)
-    for exc in rejected:
-        _check_openai_503(exc)
-    # Which form a stream's rejection takes is vLLM's timing (one run: 10 in-band, 18 plain): every rejection
-    # must be recognised in one form or the other, and this case's form must have been met.
-    assert seen["status"] + seen["sse"] == len(rejected), f"kvgate counted {seen} for {len(rejected)} rejections"
-    assert seen[form] > 0, f"no busy rejection of form {form!r} was met: {seen}"
-    if not stream:
-        assert seen["sse"] == 0, seen
+        served = [r for r in results if isinstance(r, int)]
+        rejected = [r for r in results if isinstance(r, openai.APIStatusError)]
+        other = [r for r in results if isinstance(r, BaseException) and not isinstance(r, openai.APIStatusError)]
+        assert not other, f"not an HTTP status the SDK can act on (e.g. an in-band stream error): {other[:3]}"
+        assert served and rejected, f"{len(served)} served, {len(rejected)} rejected"
+        assert all(tokens == MAX_TOKENS for tokens in served)
+        for exc in rejected:
+            _check_openai_503(exc)
+        # Which form a stream's rejection takes is vLLM's timing (one run: 10 in-band, 18 plain; a CI run met
+        # 24 plain and none in-band in one burst): every rejection must be recognised in one form or the other,
+        # and this case's form must be met in one of the bursts.
+        assert seen["status"] + seen["sse"] == len(rejected), f"kvgate counted {seen} for {len(rejected)} rejections"
+        if not stream:
+            assert seen["sse"] == 0, seen
+        met = {f: met[f] + seen[f] for f in forms}
+        if met[form] > 0:
+            break
+    assert met[form] > 0, f"no busy rejection of form {form!r} was met in {BURSTS} bursts: {met}"
     ready = httpx.get(f"{gateway.url}/readyz", timeout=5).json()
     assert ready["inflight"] == 0 and ready["queue_depth"] == 0
