@@ -86,7 +86,8 @@ class TenantCounters:
         self._waiters: dict[str, deque[asyncio.Event]] = {}
         self._failing: Callable[[float], GatewayError] | None = None  # set by fail_waiters (drain)
         self._redis_held: dict[str, tuple[str, str]] = {}
-        self._unreleased: dict[str, tuple[str, float]] = {}  # member -> (key, when): a release Redis did not take
+        # member -> (key, when, mark): a release Redis did not take, retried as it was asked
+        self._unreleased: dict[str, tuple[str, float, bool]] = {}
         # charge id -> (rate key, limits, tokens, requests, undo, since when): refunds Redis did not take
         self._owed: dict[str, tuple[str, RateLimits, float, float, bool, float]] = {}
         self._charge_ids = itertools.count(1)
@@ -352,7 +353,7 @@ class TenantCounters:
             try:
                 await redis.release(key, member, mark=mark)
             except RedisUnavailable:
-                self._unreleased.setdefault(member, (key, self.clock()))
+                self._unreleased.setdefault(member, (key, self.clock(), mark))
                 raise
             self._unreleased.pop(member, None)
 
@@ -378,11 +379,11 @@ class TenantCounters:
                     # one that timed out may still land after this release: the mark keeps it from re-adding
                     self._release_redis(key, member, mark=not landed)
         stale = self.clock() - self.cfg.slot_lease_s
-        for member, (key, since) in list(self._unreleased.items()):
+        for member, (key, since, mark) in list(self._unreleased.items()):
             if since < stale:
                 del self._unreleased[member]  # its lease has run out: Redis dropped it by itself
             else:
-                self._release_redis(key, member)
+                self._release_redis(key, member, mark)
         expired = self.clock() - CHARGE_RECORD_TTL_S
         for charge, (key, rates, tokens, requests, undo, since) in list(self._owed.items()):
             del self._owed[charge]
