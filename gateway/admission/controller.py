@@ -61,7 +61,7 @@ class Rejected:
 Decision = Admitted | Queued | Rejected
 
 
-RATE_SPAN_FLOOR_S = 0.25  # the default telemetry.scrape_interval_s
+RATE_SPAN_FLOOR_S = 0.25  # about a scrape's time (telemetry.scrape_interval_s's default)
 
 
 class DrainRate:

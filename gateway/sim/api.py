@@ -91,8 +91,13 @@ def check_request(kind: str, body: Mapping[str, Any], *, served_model: str) -> N
         raise ApiError(400, "n must be an integer", "BadRequestError", "n")
     if n != 1:
         raise ApiError(400, "n > 1 is not supported by the simulator", "BadRequestError", "n")
+    check_model(body, served_model)
+
+
+def check_model(body: Mapping[str, Any], served_model: str) -> None:
+    """An unknown model is a 404; none (or null) is the served one, as vLLM has it."""
     model = body.get("model")
-    if model is not None and model != served_model:  # no model (or null): the served one, as vLLM does
+    if model is not None and model != served_model:
         raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
 

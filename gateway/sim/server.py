@@ -32,6 +32,7 @@ from gateway.sim.api import (
     Plan,
     Renderer,
     busy_error,
+    check_model,
     check_request,
     engine_dead_error,
     plan_request,
@@ -259,9 +260,10 @@ class SimServer:
         body = await _json(request)
         if isinstance(body, ApiError):
             return _error(body)
-        model = body.get("model")
-        if model is not None and model != self.cfg.served_model_name:
-            return _error(ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model"))
+        try:
+            check_model(body, self.cfg.served_model_name)
+        except ApiError as err:
+            return _error(err)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens

@@ -252,16 +252,32 @@ class Faulty:
 
 
 async def test_a_subscriber_that_raises_does_not_end_the_scrapes(
-    engine: tuple[GuardedModels, str], scraper: Callable[..., Scraper], caplog: pytest.LogCaptureFixture
+    scraper: Callable[..., Scraper], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Nothing restarts an engine's scrape loop: an exception from a subscriber (a NaN that broke a decision,
-    a bug) is logged, and the next subscriber and the next scrape are still told."""
-    _, url = engine
-    s = scraper(url)  # this engine has no /metrics: every scrape fails
-    faulty, counting = Faulty(), Faulty()
-    s.subscribers += [faulty, counting]
-    with caplog.at_level(logging.ERROR, logger="kvgate"):
-        assert await s.scrape_once() is False
-        assert await s.scrape_once() is False
-    assert counting.told == ["started", "failed", "started", "failed"]
-    assert sum("a subscriber's" in r.getMessage() for r in caplog.records) == 8
+    a bug) is logged, and the next subscriber and the next scrape are still told, whether the scrape failed
+    or brought a sample."""
+    metrics = (REFERENCE / "metrics-sample.txt").read_text()
+    answering = {"up": False}
+
+    async def serve_metrics(_: web.Request) -> web.Response:
+        return web.Response(text=metrics) if answering["up"] else web.Response(status=503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", serve_metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        s = scraper(f"http://127.0.0.1:{port}")
+        faulty, counting = Faulty(), Faulty()
+        s.subscribers += [faulty, counting]
+        with caplog.at_level(logging.ERROR, logger="kvgate"):
+            assert await s.scrape_once() is False
+            answering["up"] = True
+            assert await s.scrape_once() is True
+        assert counting.told == ["started", "failed", "started", "sample"]
+        assert sum("a subscriber's" in r.getMessage() for r in caplog.records) == 8
+    finally:
+        await runner.cleanup()
