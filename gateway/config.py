@@ -440,6 +440,12 @@ class GatewayConfig(_Model):
     reload: ReloadConfig = ReloadConfig()
     passthrough: PassthroughConfig = PassthroughConfig()
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    log_requests: bool = Field(
+        True,
+        description="One line per proxied request (logger kvgate.access, at info): method, path, status, the "
+        "error code, tenant, model, engine, the ids kvgate and the engine know it by, queue wait, duration and "
+        "the engine's token counts. Off (or log_level above info) saves its formatting on every request.",
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod

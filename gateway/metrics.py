@@ -249,7 +249,8 @@ class GatewayMetrics:
         r.register(self.gauges)
         self.queue_wait = Histogram(
             "kvgate_queue_wait_seconds",
-            "Time from arrival to admission",
+            "Time a request waited for admission, admitted or not (timed out, shed, refused, its client gone); "
+            "0 when admitted at once",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -285,7 +286,8 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "kvgate_upstream_ttft_seconds",
-            "Upstream time to first byte of the response body",
+            "Time from sending a request to the engine to the first events of its streamed answer (200 streams; "
+            "an answer sent whole has only kvgate_upstream_latency_seconds)",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -314,6 +316,18 @@ class GatewayMetrics:
             "kvgate_reservations_released",
             "Reservations released, by how the request ended",
             ["outcome"],
+            registry=r,
+        )
+        self.connections_refused = Counter(
+            "kvgate_connections_refused",
+            "Requests answered 503 because listen.max_connections connections or requests were open",
+            registry=r,
+        )
+        self.requests = Counter(
+            "kvgate_requests",
+            "Proxied requests, once each when they end, by the class of their answer's status (2xx, 4xx, 429, "
+            "5xx; none: the client went away before any answer)",
+            ["code"],
             registry=r,
         )
         self.client_disconnects = Counter(

@@ -237,8 +237,10 @@ class Admitter:
         self.pump()  # it may be at the head already (a fairer tenant than the one that was waiting)
         try:
             reservation = await future
-        except asyncio.CancelledError:
-            self._abandon(ticket, future)
+        except BaseException as exc:  # timed out, shed, refused as hopeless, or its client gone: it waited too
+            self.metrics.queue_wait.observe(self.clock() - ticket.enqueued_at)
+            if isinstance(exc, asyncio.CancelledError):
+                self._abandon(ticket, future)
             raise
         waited = self.clock() - ticket.enqueued_at
         self._on_admitted(waited, reservation, qclass)

@@ -115,6 +115,7 @@ class Gateway:
             arrivals=self.arrivals,
             priority_scheduling=config.upstream.priority_scheduling,
             stream_interval=config.upstream.stream_interval,
+            log_requests=config.log_requests,
         )
         self.metrics.gauges.source = self._gauge_readings
         self.metrics.gauges.histograms = self._histogram_readings
@@ -314,8 +315,11 @@ class Gateway:
         c = self.controller
         now = self.clock()
         books = list(c.engines.values())
+        # what the engines' samples say, of the engines sampled lately: a dead or leaving engine's last sample
+        # is no reading of it (kvgate_upstream_metrics_age_seconds and kvgate_ready say how stale it is)
+        fresh = [b for b in books if not b.leaving and not b.is_stale(now)]
         yield "kvgate_gate_open", (), 1.0 if any(b.gate.is_open for b in books) else 0.0
-        observed = pool_usage(books)
+        observed = pool_usage(fresh)
         if observed is not None:
             yield "kvgate_kv_usage_observed", (), observed
         projections = {b.name: b.projected_usage(now) for b in books}  # a lockstep peak each: once per scrape
@@ -326,18 +330,21 @@ class Gateway:
         yield "kvgate_inflight_requests", (), float(c.in_flight())
         yield "kvgate_queue_depth", (), float(len(c.queue))
         depths = c.queue.tenant_lengths()
-        self._tenants_seen |= depths.keys()
+        # a tenant's series stays at 0 once its queue empties, until a reload removes the tenant
+        self._tenants_seen = {t for t in self._tenants_seen if t in self.policy.tenant_names} | depths.keys()
         for tenant in sorted(self._tenants_seen):
             yield "kvgate_tenant_queue_depth", (tenant,), float(depths.get(tenant, 0))
-        yield "kvgate_upstream_metrics_age_seconds", (), min(self.pool.age(), 1e9)
-        samples = [b.sample for b in books if b.sample is not None]
+        age = self.pool.age()
+        if age < float("inf"):  # from the first sample on: an engine still loading its model has no age yet
+            yield "kvgate_upstream_metrics_age_seconds", (), age
+        samples = [b.sample for b in fresh if b.sample is not None]
         if samples:
             yield "kvgate_upstream_requests_running", (), sum(x.running for x in samples)
             yield "kvgate_upstream_requests_waiting", (), sum(x.waiting for x in samples)
         for state in ("placeable", "ejected", "leaving", "other_block_size"):
             yield "kvgate_pool_engines", (state,), float(sum(1 for b in books if engine_state(b) == state))
         for b in books:
-            yield from engine_readings(b, projections[b.name])
+            yield from engine_readings(b, projections[b.name], fresh=b in fresh)
         yield "kvgate_ready", (), 1.0 if self.is_ready()[0] else 0.0
         redis = self.counters.redis
         yield "kvgate_redis_up", (), 1.0 if redis is not None and redis.healthy else 0.0
@@ -428,10 +435,11 @@ def engine_state(book: EngineBook) -> str:
     return "ejected" if book.ejected else "other_block_size" if book.other_block_size else "placeable"
 
 
-def engine_readings(book: EngineBook, projected: float | None) -> Iterator[Reading]:
-    """One engine's gauges and counters, labelled by its URL."""
+def engine_readings(book: EngineBook, projected: float | None, fresh: bool = True) -> Iterator[Reading]:
+    """One engine's gauges and counters, labelled by its URL; its observed usage only while its sample is
+    ``fresh``."""
     label = (book.name,)
-    if book.sample is not None:
+    if book.sample is not None and fresh:
         yield "kvgate_engine_kv_usage_observed", label, book.sample.usage
     if projected is not None:
         yield "kvgate_engine_kv_usage_projected", label, projected

@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any, ClassVar, cast
 from urllib.parse import unquote
 
@@ -98,6 +99,7 @@ class HttpProtocol(asyncio.Protocol):
     header_timeout_s: ClassVar[float] = 10.0
     body_timeout_s: ClassVar[float] = 30.0
     control_port: ClassVar[int | None] = None  # its connections are probes and scrapes: no concurrency limit
+    over_limit: ClassVar[OverLimit]  # requests answered 503 past max_connections, one tally per server
 
     __slots__ = (
         "_body_cycle",
@@ -447,7 +449,7 @@ class HttpProtocol(asyncio.Protocol):
         self.active = cycle
         state = self.server_state
         if self.limit is not None and (len(state.connections) >= self.limit or len(state.tasks) >= self.limit):
-            log.warning("Exceeded concurrency limit (listen.max_connections): answering 503")
+            self.over_limit.refused(self._clock())
             self._plain(503)
             cycle.disconnect()
             self._close()
@@ -577,6 +579,29 @@ class HttpProtocol(asyncio.Protocol):
         self._close()
 
 
+class OverLimit:
+    """Requests refused past ``listen.max_connections``: counted (``on_refused``, the gateway's counter), and
+    logged at most once per ``LOG_EVERY_S`` with how many since, not once each (an overload is thousands)."""
+
+    LOG_EVERY_S = 60.0
+
+    def __init__(self, on_refused: Callable[[], None] = lambda: None) -> None:
+        self.on_refused = on_refused
+        self._logged_at = -_NEVER
+        self._unlogged = 0
+
+    def refused(self, now: float) -> None:
+        self.on_refused()
+        self._unlogged += 1
+        if now - self._logged_at >= self.LOG_EVERY_S:
+            log.warning(
+                "Exceeded concurrency limit (listen.max_connections): answered %d request(s) with 503 since the "
+                "last report",
+                self._unlogged,
+            )
+            self._logged_at, self._unlogged = now, 0
+
+
 def _declares_body(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(
         name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0") for name, value in headers
@@ -598,15 +623,16 @@ def _address(value: object) -> tuple[str, int] | None:
     return None
 
 
-def configured_protocol(listen: ListenConfig) -> type[HttpProtocol]:
+def configured_protocol(listen: ListenConfig, on_over_limit: Callable[[], None] = lambda: None) -> type[HttpProtocol]:
     """The protocol class for ``uvicorn.Config(http=...)``, with ``listen``'s head and body timeouts (the
     keep-alive one is uvicorn's ``timeout_keep_alive``) and its control port, whose connections
-    ``max_connections`` does not limit."""
+    ``max_connections`` does not limit; ``on_over_limit`` counts the requests refused past that limit."""
 
     class ConfiguredHttpProtocol(HttpProtocol):
         __slots__ = ()
         header_timeout_s = listen.header_timeout_s
         body_timeout_s = listen.body_timeout_s
         control_port = listen.control_port
+        over_limit = OverLimit(on_over_limit)
 
     return ConfiguredHttpProtocol

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -41,6 +42,7 @@ from gateway.upstream.forwarder import EngineUnreachable, upstream_headers
 from gateway.upstream.pool import EnginePool
 
 log = logging.getLogger("kvgate.request")
+access_log = logging.getLogger("kvgate.access")
 
 _PARSE_OFFLOAD_BYTES = 256 * 1024
 T = TypeVar("T")
@@ -62,6 +64,7 @@ class RequestPath:
         arrivals: ArrivalPacer,
         priority_scheduling: bool = False,
         stream_interval: int = 1,
+        log_requests: bool = True,
     ) -> None:
         self.policy = policy  # the current snapshot: a reload swaps it between requests
         self.costs = costs
@@ -75,10 +78,13 @@ class RequestPath:
         self.arrivals = arrivals
         self.priority_scheduling = priority_scheduling  # the engines order and preempt by vLLM's priority
         self.stream_interval = stream_interval  # the engines' --stream-interval: tokens per streamed event
+        self.log_requests = log_requests  # an access line per request (at info)
 
     async def handle(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         """One proxied request, from arrival to its last byte: route, authenticate, then the generation path
         or a passthrough."""
+        started = time.monotonic()
+        reason: str | None = None  # the error code it was answered with, if any
         writer = ResponseWriter(send)
         request_id, engine_request_id = request_ids(scope["headers"])
         watch = DisconnectWatch(receive, lambda: writer.finished, connection_loss(scope))
@@ -121,7 +127,8 @@ class RequestPath:
                 else:
                     await self.passthrough(exchange, target, scope, receive, watch)
         except GatewayError as exc:
-            self.metrics.rejected.labels(exc.code or f"http_{exc.status}").inc()
+            reason = exc.code or f"http_{exc.status}"
+            self.metrics.rejected.labels(reason).inc()
             if not writer.started:
                 await writer.error(exc, [(b"x-request-id", request_id.encode("latin-1"))])
             else:
@@ -129,6 +136,7 @@ class RequestPath:
                 with contextlib.suppress(OSError, ClientDisconnected):  # the client may be gone as well
                     await writer.stream_error(exc)
         except ClientDisconnected:
+            reason = "client_disconnect"
             self.metrics.client_disconnects.labels("body").inc()
         except asyncio.CancelledError:
             if not watch.fired and not self.draining():
@@ -137,12 +145,52 @@ class RequestPath:
             assert current is not None
             current.uncancel()
             if watch.fired:
+                reason = "client_disconnect"
                 self.metrics.client_disconnects.labels(exchange.stage).inc()
             else:  # the drain's deadline passed: what still runs ends in words, a stream with an error event
+                reason = "shutting_down"
                 with contextlib.suppress(OSError, ClientDisconnected):
                     await self._ended_by_drain(writer, request_id)
         finally:
             watch.stop()
+            self._ended(exchange, scope, reason, started)
+
+    def _ended(self, exchange: Exchange, scope: dict[str, Any], reason: str | None, started: float) -> None:
+        """Counted once, by what the client got, and its access line (``log_requests``)."""
+        writer = exchange.writer
+        status = writer.status if writer.started else 0
+        if not status:
+            answered = "none"  # the client went away before any answer
+        elif status == 200 and (reason is not None or exchange.outcome == "upstream_error"):
+            answered = "5xx"  # a 200 stream that ended in an error event: a 5xx told in-band
+        else:
+            answered = "429" if status == 429 else f"{status // 100}xx"
+        self.metrics.requests.labels(answered).inc()
+        if not self.log_requests or not access_log.isEnabledFor(logging.INFO):
+            return
+        admission, usage, tenant = exchange.admission, exchange.usage, exchange.tenant
+        path = raw_path_of(scope)  # never the query: it can carry what a key or a client's secret is
+        fields: dict[str, object] = {
+            "method": scope["method"],
+            "path": path,
+            "status": status,
+            "reason": reason or (exchange.outcome if exchange.outcome not in (None, "completed") else None),
+            "duration_ms": round((time.monotonic() - started) * 1000, 1),
+        }
+        if tenant is not None:
+            fields["tenant"] = tenant.tenant
+        if exchange.key:
+            fields["model"] = exchange.key[0]
+        if admission is not None:
+            fields["engine"] = admission.reservation.engine
+            fields["queue_wait_ms"] = round((admission.waited_s + exchange.slot_wait_s) * 1000, 1)
+        if exchange.reached_engine:
+            fields["engine_request_id"] = exchange.engine_request_id
+        if usage is not None:
+            fields["prompt_tokens"], fields["completion_tokens"] = usage.prompt_tokens, usage.completion_tokens
+        access_log.info(
+            "%s %s %d", scope["method"], path, status, extra={"request_id": exchange.request_id, "fields": fields}
+        )
 
     async def _ended_by_drain(self, writer: ResponseWriter, request_id: str) -> None:
         self.metrics.rejected.labels("shutting_down").inc()

@@ -141,9 +141,10 @@ def uvicorn_config(gateway: Gateway, config: GatewayConfig) -> uvicorn.Config:
       ``timeout_keep_alive``, which the protocol reads).
     * ``max_connections``: uvicorn's ``limit_concurrency``, applied by the protocol as uvicorn's own does.
       It still accepts every connection, but answers a request with ``503`` + ``Connection: close`` (not from
-      the app, so no metrics; OpenAI-shaped, with ``Retry-After: 1``) while the open connections, counting
+      the app; OpenAI-shaped, with ``Retry-After: 1``) while the open connections, counting
       the asking one, or the requests in progress, reach its limit: hence ``+ 1``, so exactly
-      ``max_connections`` connections are served. Idle connections count: the head deadline and the keep-alive
+      ``max_connections`` connections are served. Those 503s are counted (``kvgate_connections_refused_total``)
+      and logged once a minute, not once each. Idle connections count: the head deadline and the keep-alive
       timeout are what bound how long a connection that sends nothing holds a place.
     * ``ws="none"``: kvgate has no websocket routes; the protocol serves an ``Upgrade`` request as plain HTTP
       by the normal routing (404 for unknown paths).
@@ -154,7 +155,7 @@ def uvicorn_config(gateway: Gateway, config: GatewayConfig) -> uvicorn.Config:
         host=listen.host,
         port=listen.port,
         loop="uvloop" if _has("uvloop") else "asyncio",
-        http=configured_protocol(listen),
+        http=configured_protocol(listen, gateway.metrics.connections_refused.inc),
         ws="none",
         limit_concurrency=listen.max_connections + 1,
         timeout_keep_alive=listen.keepalive_timeout_s,  # type: ignore[arg-type]  # typed int, used as a float

@@ -54,6 +54,8 @@ class Policy:
         self.allowed = frozenset(passthrough.allow)  # engine admin routes opened, and who may call them
         self.admin_keys = AdminKeys(passthrough.admin_api_keys)
         self.tenants = {t.name: t for t in tenants}
+        # every tenant a request can be of: the configured ones and the one anonymous callers get
+        self.tenant_names = frozenset([*self.tenants, self.directory.default_tenant])
         # Keyed by names from the config only (a tenant, and one of its overridden models or None), so its size
         # is bounded by the config, not by what clients send.
         self._cache: dict[tuple[str, str | None], TenantPolicy] = {}

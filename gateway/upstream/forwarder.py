@@ -283,7 +283,6 @@ class Forwarder:
                     hidden = UsageEventFilter() if hide_usage else None
                     return await self._relay_stream(resp, writer, extra_headers, on_progress, started, hidden)
                 payload = await resp.read()
-                self.metrics.ttft.observe(time.perf_counter() - started)
                 if resp.status in (429, 503):  # vLLM's busy answer, or a proxy's in front of it: retry later
                     self.metrics.upstream_busy.labels("status").inc()
                     raise engine_busy(retry_after_of(resp.headers))
@@ -307,10 +306,10 @@ class Forwarder:
     ) -> Relayed:
         """``hidden``: drops the usage event from what the client gets (the engine's bytes are read whole)."""
         first = await resp.next_chunk() or b""
-        self.metrics.ttft.observe(time.perf_counter() - started)
         if _first_event_is_busy(first):
             self.metrics.upstream_busy.labels("sse").inc()
             raise engine_busy(BUSY_RETRY_AFTER_S)
+        self.metrics.ttft.observe(time.perf_counter() - started)  # a refusal is no first token
         await writer.start(200, [*relayed_headers(resp.headers), *extra_headers])
         opened = b"\n" + first  # the stream's start is a line's
         events = opened.count(_EVENT)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from tests.support.promtext import assert_ledger_empty, metric_sum, scrape
@@ -297,6 +298,61 @@ def test_engine_busy_in_both_forms_becomes_503_with_retry_after(
     m = assert_ledger_empty(gw)
     assert m["kvgate_upstream_busy_total{form=status}"] == 1 and m["kvgate_upstream_busy_total{form=sse}"] == 1
     assert m["kvgate_reservations_released_total{outcome=upstream_busy}"] == 2
+    assert m["kvgate_requests_total{code=5xx}"] == 2
+    assert m["kvgate_upstream_ttft_seconds_count"] == 0  # a refusal is no first token
+
+
+def test_each_request_is_counted_once_and_logged_with_the_ids_it_went_by(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str], procs: list
+) -> None:
+    """One access line per proxied request, whatever its end, with the id the client knows it by and the one
+    the engine was sent; and each counted once, by the class of what its client got."""
+    gw = gateway(mini_vllm(), {"tokenizer": "heuristic"})
+    served = httpx.post(
+        gw + "/v1/completions?trace=secret-in-the-query",
+        json={"model": "mini", "prompt": "hello there", "max_tokens": 3},
+        headers={"x-request-id": "trace-1"},
+    )
+    streamed = httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
+    invalid = httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": -1})
+    unknown = httpx.get(gw + "/v1/nothing-here")
+    assert [r.status_code for r in (served, streamed, invalid, unknown)] == [200, 200, 400, 404]
+    m = scrape(gw)
+    assert metric_sum(m, "kvgate_requests_total") == 4
+    assert m["kvgate_requests_total{code=2xx}"] == 2 and m["kvgate_requests_total{code=4xx}"] == 2
+    assert m["kvgate_upstream_ttft_seconds_count"] == 1  # the stream's; an answer sent whole has no first token
+    log = procs[-1].log()
+    lines = [orjson.loads(line) for line in log.splitlines() if '"logger":"kvgate.access"' in line]
+    assert len(lines) == 4, log
+    by_id = {line["request_id"]: line for line in lines}
+    first = by_id["trace-1"]
+    assert (first["method"], first["path"], first["status"], first["reason"]) == ("POST", "/v1/completions", 200, None)
+    assert first["engine_request_id"].startswith("trace-1-") and first["model"] == "mini"
+    assert first["prompt_tokens"] > 0 and first["completion_tokens"] == 3 and first["duration_ms"] >= 0
+    assert "secret-in-the-query" not in log
+    refused = by_id[invalid.headers["x-request-id"]]
+    assert refused["status"] == 400 and refused["reason"] and "engine_request_id" not in refused
+    assert by_id[unknown.headers["x-request-id"]]["status"] == 404
+
+
+def test_log_requests_false_writes_no_access_line(
+    mini_vllm: Callable[..., str], gateway: Callable[..., str], procs: list
+) -> None:
+    gw = gateway(mini_vllm(), {"tokenizer": "heuristic", "log_requests": False})
+    assert httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    assert scrape(gw)["kvgate_requests_total{code=2xx}"] == 1
+    assert '"logger":"kvgate.access"' not in procs[-1].log()
+
+
+def test_an_engine_not_sampled_yet_has_no_metrics_age(gateway: Callable[..., str]) -> None:
+    """An engine still loading its model (up to 30 minutes for vLLM) is not one whose metrics went stale: no
+    age is exported until the first sample, so the staleness alert waits for one."""
+    with socket.socket() as nothing:  # a port nobody answers on
+        nothing.bind(("127.0.0.1", 0))
+        gw = gateway(f"http://127.0.0.1:{nothing.getsockname()[1]}", {"tokenizer": "heuristic"}, ready=False)
+        m = scrape(gw)
+    assert m["kvgate_ready"] == 0
+    assert "kvgate_upstream_metrics_age_seconds" not in m and "kvgate_kv_usage_observed" not in m
 
 
 def test_request_id_is_propagated(pair: tuple[str, str]) -> None:
@@ -328,7 +384,11 @@ def test_health_and_readiness(mini_vllm: Callable[..., str], gateway: Callable[.
     ready = httpx.get(gw + "/readyz")
     assert ready.status_code == 503 and "stale" in ready.json()["reason"]
     assert httpx.get(gw + "/healthz").status_code == 200
-    assert scrape(gw)["kvgate_scrape_errors_total"] >= 1
+    m = scrape(gw)
+    assert m["kvgate_scrape_errors_total"] >= 1 and m["kvgate_upstream_metrics_age_seconds"] > 0.5
+    # a dead engine's last sample is no reading of it: the usage alerts must not fire on it
+    for frozen in ("kvgate_kv_usage_observed", "kvgate_upstream_requests_running", "kvgate_engine_kv_usage_observed"):
+        assert not any(name.startswith(frozen) for name in m), m
     while True:  # the tier scrapes on its own clock: its last sample may still be fresh for a moment
         still = httpx.get(tier + "/readyz")
         assert still.status_code == 200 and still.json()["ready"] is True, still.text

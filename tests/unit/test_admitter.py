@@ -116,6 +116,33 @@ async def test_deadline_gives_503_with_retry_after() -> None:
     assert len(admitter.controller.ledger) == 0
 
 
+async def test_every_wait_is_in_the_queue_wait_histogram_admitted_or_not() -> None:
+    """The longest waits are those that end in a timeout or a client gone: an alert on the waits' 95th
+    percentile must see them, not only the admitted ones'."""
+    admitter, clock = make(queue_max_wait_s=30.0)
+    gate = asyncio.Event()
+    blocker, timed_out = await queued_behind_a_blocker(admitter, gate)  # the blocker: admitted at once
+    abandoned = asyncio.create_task(hold(admitter, 10, asyncio.Event()))
+    await asyncio.sleep(0)
+    clock.now = 20.0
+    abandoned.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await abandoned
+    clock.now = 31.0
+    admitter._expire()
+    with pytest.raises(GatewayError):
+        await timed_out
+    gate.set()
+    await blocker
+    (family,) = [m for m in admitter.metrics.registry.collect() if m.name == "kvgate_queue_wait_seconds"]
+    samples = {(x.name, x.labels.get("le")): x.value for x in family.samples}
+    # the blocker (0 s), the abandoned one (20 s), the timed-out one (31 s)
+    assert samples["kvgate_queue_wait_seconds_count", None] == 3
+    assert samples["kvgate_queue_wait_seconds_sum", None] == pytest.approx(51.0)
+    assert samples["kvgate_queue_wait_seconds_bucket", "10.0"] == 1
+    assert samples["kvgate_queue_wait_seconds_bucket", "30.0"] == 2
+
+
 async def test_a_deadline_timer_that_fires_early_is_armed_again() -> None:
     """uvloop rounds timer delays to whole milliseconds, so a queued request's timer can fire just before its
     deadline: the request must get a timer again, not wait past its budget with none left."""

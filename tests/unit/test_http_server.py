@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -43,7 +44,9 @@ async def echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 @contextlib.asynccontextmanager
-async def serve(app: App, limit_concurrency: int | None = None, **listen: float) -> AsyncIterator[Served]:
+async def serve(
+    app: App, limit_concurrency: int | None = None, on_over_limit: Callable[[], None] = lambda: None, **listen: float
+) -> AsyncIterator[Served]:
     served = Served()
 
     async def recording(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -54,7 +57,7 @@ async def serve(app: App, limit_concurrency: int | None = None, **listen: float)
         recording, lifespan="off", timeout_keep_alive=30, proxy_headers=False, limit_concurrency=limit_concurrency
     )
     config.load()
-    protocol = configured_protocol(ListenConfig(**listen))
+    protocol = configured_protocol(ListenConfig(**listen), on_over_limit)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: protocol(config, served.state, {}), "127.0.0.1", 0)
     served.port = server.sockets[0].getsockname()[1]
@@ -384,6 +387,22 @@ async def test_503_past_the_limit_waits_its_turn_behind_a_stream() -> None:
         refused = await reader.read()
         assert refused.startswith(b"HTTP/1.1 503 ") and b"\r\nretry-after: 1\r\n" in refused
         assert orjson.loads(refused.partition(b"\r\n\r\n")[2])["error"]["type"] == "service_unavailable"
+
+
+async def test_503s_past_the_limit_are_counted_each_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """An overload refuses thousands: a counter says how many, and the log says so once a minute, not once each."""
+    refused: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="kvgate"):
+        async with serve(echo, limit_concurrency=2, on_over_limit=lambda: refused.append(1)) as served:
+            _idle = await served.connect()  # holds a place: every other connection is the one past the limit
+            for _ in range(5):
+                reader, writer = await served.connect()
+                writer.write(post(b"x"))
+                assert (await read_response(reader))[0].startswith(b"HTTP/1.1 503 ")
+                writer.close()
+    assert len(refused) == 5
+    reports = [r.getMessage() for r in caplog.records if "max_connections" in r.getMessage()]
+    assert len(reports) == 1 and "answered 1 request(s) with 503" in reports[0]
 
 
 async def test_pipelined_body_deadline_waits_for_its_turn() -> None:

@@ -39,3 +39,21 @@ async def test_a_tier_gateway_is_ready_through_stale_metrics_once_it_has_sampled
             assert ready is ready_when_stale and "no engine in the pool" in reason
         finally:
             await gw.shutdown()
+
+
+async def test_a_tenant_removed_by_a_reload_leaves_the_queue_depth_gauge() -> None:
+    """A tenant's queue-depth series stays at 0 between its waits, as long as the policy has the tenant."""
+    tenants = [{"name": "alpha", "api_keys": ["ka"]}, {"name": "beta", "api_keys": ["kb"]}]
+    config = GatewayConfig.model_validate({"tenants": tenants})
+    gw = Gateway(config)
+    try:
+        gw._tenants_seen |= {"alpha", "beta"}  # both have waited in the queue before
+
+        def depths() -> set[str]:
+            return {labels[0] for name, labels, _ in gw._gauge_readings() if name == "kvgate_tenant_queue_depth"}
+
+        assert depths() == {"alpha", "beta"}
+        gw.apply_policy(GatewayConfig.model_validate({"tenants": tenants[:1]}))
+        assert depths() == {"alpha"}
+    finally:
+        await gw.shutdown()
