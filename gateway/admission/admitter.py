@@ -32,7 +32,7 @@ from gateway.protocol.requests import InferenceRequest
 from gateway.tokens.cost import RequestCost
 
 # Releases that are not a request finishing on the engine: they say nothing of the rate the line moves at.
-NOT_FINISHED = frozenset({"claim_refused", "claim_unanswered", "engine_unreachable"})
+NOT_FINISHED = frozenset({"claim_refused", "claim_unanswered", "engine_unreachable", "upstream_busy"})
 NO_ENGINE = "No engine of the pool is taking requests now (each is down, restarting or leaving, or none is left)."
 
 
@@ -449,6 +449,10 @@ class Admitter:
         self.controller.scrape_failed(self.clock(), engine, refused)
         self._restate_later(engine)  # the claims' leases must outlive an outage of the engine's metrics
         self.pump()  # the stale policy may admit (or keep holding) by its own rules
+
+    def busy(self, engine: str) -> None:
+        """``engine`` turned a request away, its queue full: hold admissions there until it has room."""
+        self.controller.hold_busy(engine)
 
     def unreachable(self, engine: str) -> bool:
         """A request placed on ``engine`` could not connect: eject it (in a pool). True if ejected."""

@@ -414,6 +414,7 @@ class AdmissionController:
         by_affinity: bool = False,
     ) -> Reservation:
         res = book.ledger.reserve(cost, tenant, now, full, key)
+        book.admitted_one()
         res.engine = book.name
         res.prefix = prefix
         res.by_affinity = by_affinity
@@ -614,8 +615,15 @@ class AdmissionController:
             return False
         if finished:
             self.drain.record(now)
+            book.finished_one()
         self._forget_if_done(book)
         return True
+
+    def hold_busy(self, engine: str) -> None:
+        """``engine`` turned a request away as busy: see :meth:`EngineBook.hold_busy`."""
+        book = self.engines.get(engine)
+        if book is not None:
+            book.hold_busy()
 
     # --- telling clients when to come back ----------------------------------------------------------
 
@@ -656,8 +664,9 @@ class AdmissionController:
         return position / rate if rate > 0 else None
 
     def retry_after(self, position: int, now: float) -> float:
-        """Seconds until ``position`` requests ahead have drained, from the observed finish rate."""
+        """Seconds until ``position`` requests ahead have drained, from the observed finish rate once it is
+        known well enough (a few finishes together read as a rate of tens a second)."""
         rate = self.drain.per_second(now)
-        if rate <= 0:
+        if rate <= 0 or not self.drain.mature(now):
             return min(self.config.queue_max_wait_s, 5.0)
         return min(max(position / rate, 1.0), 60.0)

@@ -118,6 +118,11 @@ class EngineBook:
         self.rejoined_at: float | None = None
         self.ejections_in_a_row = 0
         self.scrape_failures = 0
+        # it turned a request away, its own queue full (vLLM's --max-num-queued-reqs): admissions here are held
+        # until it has room again (:meth:`hold_busy`), one per request of ours that ends there meanwhile
+        self.busy_hold = False
+        self._busy_waiting: float | None = None  # the engine's queue length when it did, as last sampled
+        self._busy_room = 0  # requests here that ended since: the places freed on it
         # counters for the metrics, kept here so that they leave with the engine (label values stay bounded)
         self.restarts = 0
         self.placements = 0
@@ -150,6 +155,10 @@ class EngineBook:
             lost = self.ledger.drop_admitted_before(previous.taken_at)
         self.ledger.commit_sample()
         self.gate.observe(sample.usage)
+        if self.busy_hold and (
+            len(self.ledger) == 0 or (self._busy_waiting is not None and sample.waiting < self._busy_waiting)
+        ):
+            self.busy_hold = False  # its queue got shorter, or nothing of ours is left here to end and say so
         preempted = previous is not None and not lost and sample.preemptions > previous.preemptions
         # Usage a block or two past the watermark is rounding; halfway to a full pool is an overshoot.
         overshoot = sample.usage > (1 + self.config.high_watermark) / 2
@@ -166,6 +175,26 @@ class EngineBook:
             self.eject(now, "scrape")
             return True
         return False
+
+    def hold_busy(self) -> None:
+        """The engine turned a request away as busy (its queue of requests is full): admit nothing more here
+        until it has room, or each admission would only be turned away in its turn (and the queue here emptied
+        into 503s). Each request here that ends frees one place, for one admission (:meth:`finished_one`); the
+        hold ends when a sample shows the engine's queue shorter than the last one had, or none of ours left
+        here (the queue is others' traffic then: the next sample tries again)."""
+        self.busy_hold = True
+        self._busy_waiting = self.sample.waiting if self.sample is not None else None
+        self._busy_room = 0
+
+    def finished_one(self) -> None:
+        """A request here ended: under a busy hold, one place is free on the engine."""
+        if self.busy_hold:
+            self._busy_room += 1
+
+    def admitted_one(self) -> None:
+        """A request was admitted here: under a busy hold, it takes one of the places freed."""
+        if self.busy_hold:
+            self._busy_room -= 1
 
     # --- health -------------------------------------------------------------------------------------
 
@@ -247,6 +276,8 @@ class EngineBook:
 
     def fits(self, blocks: int, now: float) -> float | None:
         """The projected usage (0..1) with ``blocks`` more admitted, if that may be admitted now; else None."""
+        if self.busy_hold and self._busy_room <= 0:
+            return None
         projected = self.projected_blocks(blocks, now)
         if projected is None or self.geometry is None:
             return None

@@ -146,6 +146,23 @@ class Exchange:
         await self._admit(asyncio.get_running_loop().time() - self._waiting_since, retry=True)
         return True
 
+    async def wait_again_after_busy(self) -> bool:
+        """The engine turned the request away, its own queue full, before running any of it: nothing was
+        generated, and nothing is billed. Admissions to that engine are held until it has room
+        (:meth:`Admitter.busy`), its reservation is given back, and it waits in the queue again, ahead of first
+        attempts, for what is left of its wait budget (an SDK's own retry would come back later, to the end of
+        the line). False when none is left: its client hears that the engine was busy."""
+        assert self.admission is not None
+        self.reached_engine = False
+        self._admitter.busy(self.engine)
+        self._admitter.release(self.admission.reservation, "upstream_busy")
+        self.admission = None
+        waited = asyncio.get_running_loop().time() - self._waiting_since
+        if waited >= self.wait_budget_s:
+            return False
+        await self._admit(waited, retry=True)
+        return True
+
     @property
     def wait_budget_s(self) -> float:
         """How long it may wait for a slot and a reservation. A client's read timeout bounds an answer sent in

@@ -38,7 +38,7 @@ from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import Policy
 from gateway.tokens.estimator import CostEstimator
 from gateway.upstream.broadcast import Reply, agreed
-from gateway.upstream.forwarder import EngineUnreachable, upstream_headers
+from gateway.upstream.forwarder import EngineBusy, EngineUnreachable, upstream_headers
 from gateway.upstream.pool import EnginePool
 
 log = logging.getLogger("kvgate.request")
@@ -242,7 +242,8 @@ class RequestPath:
         exchange.prefix = self.admitter.prefix_of(request, tenant if policy.isolate_prefix_cache else "")
         await exchange.admit()
         # 6. forward and stream, on the engine it was placed on. An engine that refused the connection got
-        #    nothing of it: that engine is ejected and the request placed again (a pool of one answers 503)
+        #    nothing of it: that engine is ejected and the request placed again (a pool of one answers 503).
+        #    One that turned it away as busy ran nothing of it either: it waits for room there and goes again
         priority = engine_priority(tenant_policy.qclass.priority) if self.priority_scheduling else None
         headers = upstream_headers(scope["headers"], exchange.engine_request_id, self.upstream_api_key, priority)
         while True:
@@ -261,6 +262,9 @@ class RequestPath:
                 break
             except EngineUnreachable:
                 if not await exchange.place_again():
+                    raise
+            except EngineBusy:  # turned away unrun: it waits for room and goes again, within its budget
+                if not await exchange.wait_again_after_busy():
                     raise
         # 7. learn what the engine counted for this prompt (the estimate of the next ones); settle and release
         #    when the exchange closes, however the request ended

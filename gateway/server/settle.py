@@ -52,14 +52,16 @@ def tokens_used(
     whole_answer: bool = False,
     charged: int | None = None,
 ) -> int:
-    """Tokens to bill, never more than the request's whole charge (:attr:`RequestCost.charge_tokens`).
+    """Tokens to bill: the engine's ``usage`` in full when it says (a prompt counted short, by the heuristic on
+    CJK or code or by another model's tokenizer, is billed what the engine counted: the bucket goes into debt);
+    otherwise an estimate, never more than the request's whole charge (:attr:`RequestCost.charge_tokens`).
     ``generated``: output tokens streamed (at least; see :func:`tokens_streamed`). ``whole_answer``: a 200
     answered in one piece (not a stream), whose length without ``usage`` is unknown, not zero: billed as
     ``charged``, what its rate limit took (a minute's allowance at most), not the rest of the budget besides."""
     if not reached_engine:
         used = 0
     elif usage is not None:
-        used = usage.prompt_tokens + usage.completion_tokens
+        return usage.prompt_tokens + usage.completion_tokens
     elif whole_answer:  # and never less than it takes whatever it generates (a charge cut to a replica's share)
         used = cost.charge_tokens if charged is None else max(charged, cost.least_charge_tokens)
     elif generated == 0:

@@ -285,7 +285,7 @@ class Forwarder:
                 payload = await resp.read()
                 if resp.status in (429, 503):  # vLLM's busy answer, or a proxy's in front of it: retry later
                     self.metrics.upstream_busy.labels("status").inc()
-                    raise engine_busy(retry_after_of(resp.headers))
+                    raise EngineBusy(retry_after_of(resp.headers))
                 await writer.start(resp.status, [*relayed_headers(resp.headers), *extra_headers, _length(payload)])
                 await writer.body(payload)
                 self.metrics.latency.observe(time.perf_counter() - started)
@@ -308,7 +308,7 @@ class Forwarder:
         first = await resp.next_chunk() or b""
         if _first_event_is_busy(first):
             self.metrics.upstream_busy.labels("sse").inc()
-            raise engine_busy(BUSY_RETRY_AFTER_S)
+            raise EngineBusy(BUSY_RETRY_AFTER_S)
         self.metrics.ttft.observe(time.perf_counter() - started)  # a refusal is no first token
         await writer.start(200, [*relayed_headers(resp.headers), *extra_headers])
         opened = b"\n" + first  # the stream's start is a line's
@@ -371,6 +371,16 @@ class Forwarder:
                 return Reply(resp.status, relayed_headers(resp.headers), b"".join(chunks))
         except (UpstreamError, TimeoutError) as exc:
             raise self._failure(exc) from exc
+
+
+class EngineBusy(GatewayError):
+    """The engine turned the request away before running any of it (vLLM's queue of requests is full, or a
+    proxy in front of it said 429/503): it may wait for room and be sent again. Told to the client, it is a
+    503 ``engine_busy``."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        busy = engine_busy(retry_after_s)
+        super().__init__(busy.status, busy.message, type=busy.type, code=busy.code, retry_after_s=retry_after_s)
 
 
 class EngineUnreachable(GatewayError):

@@ -2,11 +2,14 @@
 
 vLLM 0.32 rejects with "The engine is currently busy" in two forms and never sends Retry-After: a plain
 HTTP 503 (non-streaming), and, for streams, an HTTP 200 whose first SSE event is ``data: {"error": {...,
-"code": 503}}``. An SDK client sees the second as an in-band stream error, not a retryable status. kvgate must
-turn both into an OpenAI-shaped 503 with Retry-After, so that clients back off by themselves.
+"code": 503}}``. An SDK client sees the second as an in-band stream error, not a retryable status. Either way
+the engine ran nothing of the request, so kvgate holds it (and those queued behind it) until the engine has
+room, and sends it again: a burst the engine's own queue cannot take is served whole, in both forms. (When a
+request's wait budget runs out first, its client gets an OpenAI-shaped 503 with Retry-After: see
+``tests/integration/test_proxy.py``.)
 
 The first test pins down the engine's behaviour (if a vLLM upgrade changes the forms, it says so); the
-others check kvgate's translation of each form. One engine for the module. Needs setup.sh; skipped otherwise.
+other checks that kvgate recognises each form. One engine for the module. Needs setup.sh; skipped otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ RUNNING = 2
 QUEUE_LIMIT = 4
 N = 32  # concurrent requests: far more than RUNNING + QUEUE_LIMIT
 MAX_TOKENS = 64
+WAIT_S = 1800.0  # the clients' and kvgate's wait budget: longer than any machine takes for a burst
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,9 @@ def engine() -> Iterator[VllmEngine]:
 @pytest.fixture(scope="module")
 def gateway(engine: VllmEngine) -> Iterator[Proc]:
     # Small requests: KV admission lets every one of them through, so the engine's own limit is what bites.
-    with start_gateway(engine.base_url, {}, tokenizer=f"hf:{model_dir()}") as gw:
+    # Waits as long as the engine takes on this machine (no deadline tuned to its speed).
+    config = {"admission": {"queue_max_wait_s": WAIT_S}}
+    with start_gateway(engine.base_url, config, tokenizer=f"hf:{model_dir()}") as gw:
         yield gw
 
 
@@ -94,20 +100,9 @@ def test_engine_rejects_in_both_forms(engine: VllmEngine) -> None:
             assert json.loads(text.removeprefix("data:"))["error"]["code"] == 503
 
 
-def _check_openai_503(exc: openai.APIStatusError) -> None:
-    """What an OpenAI SDK client needs to back off: status 503, Retry-After, an OpenAI error object."""
-    assert exc.status_code == 503
-    retry_after = exc.response.headers.get("retry-after")
-    assert retry_after is not None and int(retry_after) >= 1
-    assert int(exc.response.headers["retry-after-ms"]) >= 1
-    error = exc.response.json()["error"]
-    assert set(error) >= {"message", "type", "code"}
-    assert error["code"] == "engine_busy" and error["message"]
-
-
 async def _sdk_burst(base_url: str, stream: bool) -> list[BaseException | int]:
     """Completion tokens per success, or the exception the SDK raised."""
-    sdk = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    sdk = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
 
     async def one(i: int) -> int:
         body = _body(i, stream)
@@ -142,31 +137,27 @@ BURSTS = 3  # a stream's in-band refusal is vLLM's race (several pass its check 
 
 
 @pytest.mark.parametrize(("stream", "form"), [(False, "status"), (True, "sse")], ids=["plain-503", "sse-error"])
-def test_kvgate_turns_engine_busy_into_openai_503(gateway: Proc, stream: bool, form: str) -> None:
+def test_kvgate_serves_whole_a_burst_the_engine_turns_away_in_part(gateway: Proc, stream: bool, form: str) -> None:
+    """Every request of a burst the engine's queue cannot hold is served in full through kvgate, its clients
+    never seeing the engine's refusals, which kvgate counts by form and gives back (none is billed or counted
+    as a finish)."""
     forms = ("status", "sse")
     met = dict.fromkeys(forms, 0.0)
     for _ in range(BURSTS):
         seen0 = {f: busy_rejections(gateway, f) for f in forms}
         results = asyncio.run(_sdk_burst(gateway.url, stream))
         seen = {f: busy_rejections(gateway, f) - seen0[f] for f in forms}
-
-        served = [r for r in results if isinstance(r, int)]
-        rejected = [r for r in results if isinstance(r, openai.APIStatusError)]
-        other = [r for r in results if isinstance(r, BaseException) and not isinstance(r, openai.APIStatusError)]
-        assert not other, f"not an HTTP status the SDK can act on (e.g. an in-band stream error): {other[:3]}"
-        assert served and rejected, f"{len(served)} served, {len(rejected)} rejected"
-        assert all(tokens == MAX_TOKENS for tokens in served)
-        for exc in rejected:
-            _check_openai_503(exc)
-        # Which form a stream's rejection takes is vLLM's timing (one run: 10 in-band, 18 plain; a CI run met
-        # 24 plain and none in-band in one burst): every rejection must be recognised in one form or the other,
-        # and this case's form must be met in one of the bursts.
-        assert seen["status"] + seen["sse"] == len(rejected), f"kvgate counted {seen} for {len(rejected)} rejections"
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert not failed, f"{len(failed)} of {N} failed, e.g. {failed[:3]}"
+        assert all(tokens == MAX_TOKENS for tokens in results), results
         if not stream:
             assert seen["sse"] == 0, seen
         met = {f: met[f] + seen[f] for f in forms}
         if met[form] > 0:
             break
-    assert met[form] > 0, f"no busy rejection of form {form!r} was met in {BURSTS} bursts: {met}"
+    assert met[form] > 0, f"no busy refusal of form {form!r} was met in {BURSTS} bursts: {met}"
+    m = scrape(gateway.url, timeout_s=10)
+    released = metric_sum(m, "kvgate_reservations_released_total", default=0.0, outcome="upstream_busy")
+    assert released == metric_sum(m, "kvgate_upstream_busy_total", default=0.0)  # each refusal given back once
     ready = httpx.get(f"{gateway.url}/readyz", timeout=5).json()
     assert ready["inflight"] == 0 and ready["queue_depth"] == 0

@@ -236,17 +236,22 @@ def test_unknown_geometry_admits_nothing() -> None:
 
 def test_queue_full_is_rejected_with_retry_after_from_the_drain_rate() -> None:
     c = make(queue_max_length=2)
-    held = [c.submit(rc(45), "t", 0.0) for _ in range(2)]
+    held = [c.submit(rc(10), "t", 0.0) for _ in range(8)]
     for _ in range(2):
         assert isinstance(c.submit(rc(45), "t", 0.0), Queued)
     rejected = c.submit(rc(45), "t", 0.0)
     assert isinstance(rejected, Rejected) and rejected.reason == "queue_full"
-    for i, d in enumerate(held):
+    for i, d in enumerate(held[:2]):
         assert isinstance(d, Admitted)
         c.release(d.reservation, 1.0 + i)
-    # two finishes a second apart: 2 per 1.0 s window edge -> about 3 positions / rate
-    assert 1.0 <= c.retry_after(3, 2.0) <= 60.0
-    assert c.retry_after(30, 2.0) > c.retry_after(3, 2.0)
+    # two finishes are no rate yet (a batch that ends together reads as tens a second): the default
+    assert c.retry_after(3, 2.0) == c.retry_after(100, 2.0) == 5.0
+    for i, d in enumerate(held[2:]):
+        assert isinstance(d, Admitted)
+        c.release(d.reservation, 3.0 + i)
+    # eight finishes a second apart: about one a second -> positions / rate
+    assert 1.0 <= c.retry_after(3, 10.0) <= 60.0
+    assert c.retry_after(30, 10.0) > c.retry_after(3, 10.0)
 
 
 def test_fifo_head_blocks_smaller_requests_behind_it() -> None:

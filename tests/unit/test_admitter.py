@@ -23,7 +23,7 @@ from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import TenantPolicy
 from gateway.tenants.ratelimit import RateLimits
 from gateway.tokens.cost import KvGeometry, RequestCost
-from gateway.upstream.forwarder import EngineUnreachable
+from gateway.upstream.forwarder import EngineBusy, EngineUnreachable
 
 
 class Clock:
@@ -327,6 +327,69 @@ async def test_an_engine_that_refused_the_connection_in_a_pool_of_one_got_nothin
         assert ex.outcome == "engine_unreachable" and not ex.reached_engine
     assert admitter.metrics.released.labels("engine_unreachable").value == drain.MATURE_EVENTS
     assert not drain.mature(0.0) and len(admitter.controller.ledger) == 0
+
+
+async def test_a_request_the_engine_turned_away_as_busy_waits_for_room_and_goes_again() -> None:
+    """vLLM's queue of requests is full (--max-num-queued-reqs): the request it turned away ran nothing, so it
+    waits for room and goes again, ahead of first attempts; and the requests queued here wait too, one let in per
+    request that ends there, instead of each being sent to be turned away in its turn (the queue emptied into
+    503s). Neither the refusal nor its charge counts: no finish for the ETAs, no request billed."""
+    admitter, clock = make()
+    controller = admitter.controller
+    running = [exchange(admitter) for _ in range(2)]
+    for ex in running:
+        await ex.charge_rate_limits(tenant(admitter), rc(5))
+        await ex.admit()
+        ex.sending()
+    turned = exchange(admitter)
+    await turned.charge_rate_limits(tenant(admitter), rc(5))
+    await turned.admit()
+    turned.sending()
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.1, clock.now, waiting=3.0))  # the engine says it has 3 queued
+    again = asyncio.create_task(turned.wait_again_after_busy())
+    await asyncio.sleep(0)
+    newcomers = [asyncio.create_task(hold(admitter, 5, asyncio.Event())) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert not again.done() and len(controller.queue) == 3  # the pool has room: the engine has none
+    assert not turned.reached_engine and admitter.metrics.released.labels("upstream_busy").value == 1
+    assert controller.drain.per_second(clock.now) == 0  # a refusal is no finish
+    running[0].close(None)  # one ends there: one place, for the one turned away (a retry: first in line)
+    assert await again is True and turned.admission is not None
+    await asyncio.sleep(0)
+    assert len(controller.queue) == 2  # the newcomers still wait
+    clock.now = 1.0
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.1, clock.now, waiting=1.0))  # the engine's queue is shorter: the hold ends
+    await asyncio.sleep(0)
+    assert len(controller.queue) == 0 and not any(t.done() for t in newcomers)
+    for task in newcomers:
+        task.cancel()
+    await asyncio.gather(*newcomers, return_exceptions=True)
+    running[1].close(None)
+    turned.close(None)
+    assert len(controller.ledger) == 0
+
+
+async def test_a_request_the_engine_turned_away_as_busy_is_not_billed_even_when_its_budget_runs_out() -> None:
+    """vLLM ran nothing of it: a client that comes back after the Retry-After must not find its requests per
+    minute spent on refusals."""
+    admitter, clock = make()
+    counters = TenantCounters(RedisConfig(), GatewayMetrics(), clock=clock)
+    limited = TenantPolicy("t", "t", RateLimits(requests_per_minute=1), None, 0.0, QueueClass())
+    for _ in range(3):  # three in a row within the minute: each refused as busy, none billed
+        admitter.scrape_started()
+        admitter.sample(UsageSample(0.0, clock.now))  # nothing of ours left there: the busy hold is tried again
+        ex = Exchange(
+            "req", ResponseWriter(_unused_send), admitter=admitter, counters=counters, metrics=admitter.metrics
+        )
+        await ex.charge_rate_limits(limited, rc(5))
+        await ex.admit()
+        ex.sending()
+        assert not await ex.wait_again_after_busy()  # no budget left to wait for room in
+        ex.close(EngineBusy(1.0))
+        assert ex.outcome == "upstream_busy"
+    assert len(admitter.controller.ledger) == 0
 
 
 async def test_a_request_placed_again_waits_within_what_is_left_since_it_began_waiting(

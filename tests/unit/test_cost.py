@@ -137,6 +137,9 @@ def test_an_estimated_prompt_is_charged_at_its_high_end_and_billed_by_usage() ->
     assert tokens_used(estimated, Usage(1000, 256), 256, reached_engine=True) == 1256
     counted = RequestCost((1000,), 1, 256, 79)
     assert counted.charge_tokens == counted.total_tokens == 1256
+    # counted short (the heuristic on CJK: 300 for what the engine counts 1,200): billed what the engine counted
+    short = RequestCost((300,), 1, 1, 19)
+    assert tokens_used(short, Usage(1200, 1), 1, reached_engine=True) == 1201
 
 
 def test_a_whole_answer_without_usage_is_billed_as_charged_not_as_nothing() -> None:
