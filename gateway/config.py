@@ -292,7 +292,12 @@ class TenantLimits(_Model):
 
 
 class TenantConfig(TenantLimits):
-    name: str = Field(min_length=1)
+    name: str = Field(
+        min_length=1,
+        pattern=r"^[^/]+$",
+        description="Without '/': a per-model override's counters are keyed '<tenant>/<model>', and a tenant "
+        "named like that would share them.",
+    )
     api_keys: list[str] = Field(default_factory=list, description="Plain keys or 'sha256:<hex>'.")
     priority: PriorityClass | None = Field(
         "standard", description="critical > standard > sheddable: strict priority; sheddable is shed first."
@@ -323,7 +328,9 @@ def check_api_key(key: str) -> None:
 
 class AuthConfig(_Model):
     require_api_key: bool = Field(False, description="401 for requests without a known key.")
-    default_tenant: str = Field("default", description="Tenant of anonymous traffic (when keys are optional).")
+    default_tenant: str = Field(
+        "default", min_length=1, pattern=r"^[^/]+$", description="Tenant of anonymous traffic (when keys are optional)."
+    )
     isolate_prefix_cache: bool = Field(
         False,
         description="Each tenant's generations reach the engine with a cache_salt of its own: no tenant shares "
@@ -494,7 +501,7 @@ class GatewayConfig(_Model):
     @model_validator(mode="after")
     def _tenants_unique(self) -> GatewayConfig:
         names: set[str] = set()
-        keys: set[str] = set()
+        owners: dict[str, str] = {}  # key digest -> tenant (a key and its sha256: form within one tenant: rotation)
         for tenant in self.tenants:
             if tenant.name in names:
                 raise ValueError(f"tenant '{tenant.name}' is defined twice")
@@ -505,9 +512,9 @@ class GatewayConfig(_Model):
                     if key.startswith("sha256:")
                     else hashlib.sha256(key.encode()).hexdigest()
                 )
-                if digest in keys:
-                    raise ValueError(f"an API key of tenant '{tenant.name}' is already used by another tenant")
-                keys.add(digest)
+                owner = owners.setdefault(digest, tenant.name)
+                if owner != tenant.name:
+                    raise ValueError(f"an API key of tenant '{tenant.name}' is also tenant '{owner}'s")
         return self
 
     @model_validator(mode="after")

@@ -109,6 +109,20 @@ def queue_timeout(retry_after_s: float, waited_s: float, extra: dict[str, object
     )
 
 
+def slot_timeout(tenant: str, limit: int, retry_after_s: float, waited_s: float, position: int) -> GatewayError:
+    """The tenant's own ``max_concurrent`` requests were all running for the whole of this one's wait budget:
+    its quota, as a rate limit is (429), not the engine's capacity."""
+    return GatewayError(
+        429,
+        f"The request waited {waited_s:.1f}s for one of tenant '{tenant}''s {limit} concurrent request slot(s) "
+        "without getting one; retry after the indicated time.",
+        type="rate_limit_exceeded",
+        code="tenant_concurrency_timeout",
+        retry_after_s=retry_after_s,
+        extra={"queue_position": position, "waiting_for": "concurrency_slot"},
+    )
+
+
 def wait_predicted(retry_after_s: float, extra: dict[str, object] | None = None) -> GatewayError:
     """Refused early: at the rate requests are finishing, this one could not be admitted within its wait budget
     (the client's, its tenant's or the config's), so it is told now instead of at the end of that wait."""

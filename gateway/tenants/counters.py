@@ -28,11 +28,11 @@ from typing import Any
 
 from gateway.config import RedisConfig
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.errors import GatewayError, queue_timeout, request_too_large
+from gateway.protocol.errors import GatewayError, request_too_large, slot_timeout
 from gateway.tenants.policy import TenantPolicy
 from gateway.tenants.ratelimit import RateDecision, RateLimiter, RateLimits, ratelimit_headers, token_charge
 from gateway.tenants.redis_store import CHARGE_RECORD_TTL_S, RedisState, RedisUnavailable
-from gateway.tenants.slots import Slot, SlotTable
+from gateway.tenants.slots import HoldTimes, Slot, SlotTable
 
 log = logging.getLogger("kvgate.limits")
 
@@ -80,6 +80,8 @@ class TenantCounters:
         self.default_max_waiters = default_max_waiters
         self.local = RateLimiter()
         self.slots = SlotTable()
+        self._limits: dict[str, int] = {}  # max_concurrent per key, as the newest policy says (config-bounded)
+        self.holds = HoldTimes()  # how long each key's slots are held: when a request refused one may come back
         self.redis = (
             RedisState(cfg, on_health=self._on_redis_health, on_error=metrics.redis_errors.inc) if cfg.url else None
         )
@@ -229,16 +231,22 @@ class TenantCounters:
         if tp.max_concurrent is None:
             return None
         started = self.clock()
-        return await self._acquire(tp, tp.max_concurrent, started, started + wait_s, queued_elsewhere)
+        # the newest policy's limit, for the requests already waiting too: a reload that raises it lets them in
+        # (they would hold the line at the old limit, and every new request behind them)
+        raised = tp.max_concurrent > self._limits.get(tp.key, tp.max_concurrent)
+        self._limits[tp.key] = tp.max_concurrent
+        if raised and (line := self._waiters.get(tp.key)):
+            line[0].set()  # the head tries again now, at the new limit, and wakes the next if it got one
+        return await self._acquire(tp, started, started + wait_s, queued_elsewhere)
 
     async def _acquire(
         self,
         tp: TenantPolicy,
-        limit: int,
         started: float,
         deadline: float,
         queued_elsewhere: Callable[[], int],
     ) -> Slot:
+        limit = self._limits[tp.key]
         if not self._waiters.get(tp.key):
             slot = await self._try(tp, limit)
             if slot is not None:
@@ -257,7 +265,7 @@ class TenantCounters:
                 f"Tenant '{tp.tenant}' has {max_queued} request(s) waiting already.",
                 type="rate_limit_exceeded",
                 code="tenant_queue_full",
-                retry_after_s=1.0,
+                retry_after_s=self.holds.retry_after(tp.key, len(line) + 1, limit),
                 extra={"queue_position": len(line) + 1},
             )
         me = asyncio.Event()
@@ -267,17 +275,16 @@ class TenantCounters:
                 if self._failing is not None:
                     raise self._failing(1.0)
                 head = line[0] is me
+                limit = self._limits[tp.key]
                 if head:
                     slot = await self._try(tp, limit)
                     if slot is not None:
                         return slot
                 remaining = deadline - self.clock()
                 if remaining <= 0:
-                    raise queue_timeout(
-                        1.0,
-                        self.clock() - started,
-                        {"queue_position": line.index(me) + 1, "waiting_for": "concurrency_slot"},
-                    )
+                    position = line.index(me) + 1
+                    retry_after = self.holds.retry_after(tp.key, position, limit)
+                    raise slot_timeout(tp.tenant, limit, retry_after, self.clock() - started, position)
                 shared = self.redis is not None and self.redis.healthy
                 poll = min(remaining, self.cfg.slot_poll_s) if head and shared else remaining
                 # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancellation that arrives as the
@@ -318,19 +325,23 @@ class TenantCounters:
                 if not got:
                     return None
                 self._redis_held[member] = (tp.key, member)
-                return Slot(tp.key, "redis", member)
+                return Slot(tp.key, "redis", member, taken_at=self.clock())
         if self.redis is not None:
             self._refuse_if_closed(tp)
             # this replica's share, of which the slots it took in Redis and still holds are part: running
             # requests keep them, and the share counted beside them would let twice the limit run
             in_redis = sum(1 for key, _ in self._redis_held.values() if key == tp.key)
             limit = max(1, -(-limit // self.cfg.replicas)) - in_redis
-        return self.slots.try_acquire(tp.key, limit)
+        slot = self.slots.try_acquire(tp.key, limit)
+        if slot is not None:
+            slot.taken_at = self.clock()
+        return slot
 
     def release_slot(self, slot: Slot) -> None:
         """Give a slot back; a second call for the same slot does nothing."""
         if slot.released:
             return
+        self.holds.observe(slot.key, self.clock() - slot.taken_at)
         if slot.backend == "local":
             self.slots.release(slot)
         else:

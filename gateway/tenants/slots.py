@@ -18,6 +18,29 @@ class Slot:
     backend: Literal["local", "redis", "none"]
     member: str = ""
     released: bool = field(default=False)
+    taken_at: float = 0.0  # when it was taken (the counters' clock): how long slots are held, for Retry-After
+
+
+class HoldTimes:
+    """How long each key's slots are held, as a moving average: when a request waiting for one should come
+    back (``position`` in line, ``limit`` slots turning over). Bounded by the config's keys."""
+
+    WEIGHT = 0.2  # of the newest hold in the average
+
+    def __init__(self) -> None:
+        self._mean: dict[str, float] = {}
+
+    def observe(self, key: str, held_s: float) -> None:
+        mean = self._mean.get(key)
+        self._mean[key] = held_s if mean is None else mean + self.WEIGHT * (held_s - mean)
+
+    def retry_after(self, key: str, position: int, limit: int) -> float:
+        """Seconds until ``position`` requests ahead have had a slot: ``position`` holds shared by ``limit``
+        slots, within 1-60 s (1 s before any slot of the key was given back)."""
+        mean = self._mean.get(key)
+        if mean is None:
+            return 1.0
+        return min(max(position * mean / max(1, limit), 1.0), 60.0)
 
 
 class SlotTable:

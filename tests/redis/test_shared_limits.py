@@ -186,7 +186,7 @@ async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float) -> b
 async def assert_no_room(replica: TenantCounters, tp: TenantPolicy) -> None:
     with pytest.raises(GatewayError) as err:
         await replica.acquire_slot(tp, 0.3)
-    assert err.value.status == 503 and err.value.extra["waiting_for"] == "concurrency_slot"
+    assert err.value.status == 429 and err.value.extra["waiting_for"] == "concurrency_slot"
 
 
 async def test_renewal_puts_back_a_slot_whose_lease_lapsed(redis_server: RedisServer) -> None:

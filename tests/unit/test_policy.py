@@ -4,6 +4,7 @@ hot reload (more in test_reload.py), the schema."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -23,7 +24,7 @@ from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import Policy, TenantPolicy
 from gateway.tenants.ratelimit import RateLimiter, RateLimits, TokenBucket
 from gateway.tenants.reload import ConfigWatcher
-from gateway.tenants.slots import Slot, SlotTable
+from gateway.tenants.slots import HoldTimes, Slot, SlotTable
 from gateway.tokens.cost import KvGeometry, RequestCost
 from tests.support.tenant_slots import held_slot
 
@@ -106,7 +107,13 @@ def test_config_errors_point_at_the_tenant() -> None:
     assert any(e.startswith("p.yaml:12:5: tenants.1.weight: Input should be greater than 0") for e in err.value.errors)
     with pytest.raises(ConfigError) as err:
         parse_config("tenants:\n  - name: a\n    api_keys: [k]\n  - name: b\n    api_keys: [k]\n", "p.yaml")
-    assert "already used by another tenant" in err.value.errors[0]
+    assert "tenant 'b' is also tenant 'a's" in err.value.errors[0]
+    # a key and its own sha256: form in one tenant: a rotation to hashed keys, half done
+    digest = hashlib.sha256(b"k").hexdigest()
+    assert parse_config(f"tenants:\n  - name: a\n    api_keys: [k, 'sha256:{digest}']\n").tenants[0].api_keys
+    with pytest.raises(ConfigError) as err:  # a tenant named as another's per-model counters are keyed
+        parse_config("tenants:\n  - name: acme\n  - name: acme/llama\n", "p.yaml")
+    assert "tenants.1.name" in err.value.errors[0]
     with pytest.raises(ConfigError) as err:
         parse_config("tenants:\n  - name: a\n    api_keys: ['sha256:abc']\n", "p.yaml")
     assert "64 hex digits" in err.value.errors[0]
@@ -197,6 +204,50 @@ async def test_local_slots_wait_in_fifo_order_and_bound_the_queue() -> None:
     assert order == [0, 1, 2, 3, 4] and limits.slots.held("team-a/big") == 0
 
 
+def test_a_slot_refusal_says_when_the_slots_ahead_will_have_turned_over() -> None:
+    holds = HoldTimes()
+    assert holds.retry_after("k", 5, 2) == 1.0  # nothing given back yet: no pace to tell
+    holds.observe("k", 10.0)
+    assert holds.retry_after("k", 3, 2) == 15.0  # 3 holds of 10 s over 2 slots
+    holds.observe("k", 20.0)  # the average moves a fifth of the way
+    assert holds.retry_after("k", 1, 1) == pytest.approx(12.0)
+    assert holds.retry_after("k", 100, 1) == 60.0 and holds.retry_after("other", 9, 1) == 1.0
+
+
+async def test_a_tenant_whose_slots_are_all_held_past_the_wait_is_told_to_come_back_when_they_turn_over() -> None:
+    """The tenant's own max_concurrent, not the engine's capacity: a 429 that says so, with a Retry-After from
+    how long its slots are held (it had been 1 s whatever the line, so SDKs spent their retries in seconds)."""
+    cfg = parse_config(POLICY_YAML)
+    tp = Policy(cfg.auth, cfg.tenants, cfg.admission.queue_max_wait_s).resolve("team-a", "big")
+    assert tp.max_concurrent is not None
+    limits = TenantCounters(RedisConfig(), GatewayMetrics())
+    limits.holds.observe(tp.key, 8.0)  # its requests hold a slot 8 s
+    async with held_slot(limits, tp, 1.0):
+        with pytest.raises(GatewayError) as err:
+            async with held_slot(limits, tp, 0.01):
+                pass
+    assert err.value.status == 429 and err.value.code == "tenant_concurrency_timeout"
+    assert err.value.retry_after_s == max(1.0, 8.0 / tp.max_concurrent)
+
+
+async def test_a_reload_that_raises_max_concurrent_lets_the_requests_already_waiting_in() -> None:
+    """The waiting ones had their old policy's limit: they held the line at it, and every new request behind
+    them, until a slot was given back (a long stream's, minutes later)."""
+    limits = TenantCounters(RedisConfig(), GatewayMetrics())
+    old = TenantPolicy("t", "t", RateLimits(), 1, 30.0, QueueClass())
+    new = TenantPolicy("t", "t", RateLimits(), 10, 30.0, QueueClass())
+    held = await limits.acquire_slot(old, 1.0)
+    waiting = asyncio.create_task(limits.acquire_slot(old, 30.0))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    arriving = asyncio.create_task(limits.acquire_slot(new, 30.0))  # after the reload
+    slots = await asyncio.wait_for(asyncio.gather(waiting, arriving), timeout=5)
+    assert all(slot is not None for slot in slots) and limits.slots.held("t") == 3
+    for slot in (held, *slots):
+        assert slot is not None
+        limits.release_slot(slot)
+
+
 async def test_slot_wait_times_out_and_a_cancelled_waiter_leaves_the_line() -> None:
     cfg = parse_config(POLICY_YAML)
     tp = Policy(cfg.auth, cfg.tenants, cfg.admission.queue_max_wait_s).resolve("team-a", "big")
@@ -205,7 +256,8 @@ async def test_slot_wait_times_out_and_a_cancelled_waiter_leaves_the_line() -> N
         with pytest.raises(GatewayError) as err:
             async with held_slot(limits, tp, 0.01):
                 pass
-        assert err.value.status == 503 and err.value.extra["waiting_for"] == "concurrency_slot"
+        assert err.value.status == 429 and err.value.code == "tenant_concurrency_timeout"
+        assert err.value.extra["waiting_for"] == "concurrency_slot" and "team-a" in err.value.message
         waiter = asyncio.create_task(limits.acquire_slot(tp, 10.0))
         await asyncio.sleep(0.01)
         waiter.cancel()
