@@ -104,34 +104,43 @@ HONOURED_RETRY_AFTER_S = 120.0
 class ReturnBook:
     """When refused clients were told to come back: the Retry-After of a refusal books the next free return
     slot, no earlier than the line it was refused from is gone and one finish after the last booked return, so
-    the clients told to come back do not all come back at once. A retry queues ahead of first attempts (see
-    :mod:`gateway.admission.queue`), so a first attempt counts the returns due while it would wait as ahead of
-    it. A return is forgotten ``grace_s`` after its time: the client came back, or gave up."""
+    the clients told to come back do not all come back at once. A retry queues ahead of its own tenant's first
+    attempts (see :mod:`gateway.admission.queue`), so a first attempt counts the returns of its tenant due while
+    it would wait as ahead of it (another tenant's retry goes ahead of that tenant's own). A return is
+    forgotten ``grace_s`` after its time: the client came back, or gave up."""
 
     def __init__(self, grace_s: float = 2.0, max_booked: int = 100_000) -> None:
         self.grace_s = grace_s
         self.max_booked = max_booked
         self._times: list[float] = []  # nondecreasing: each booking is after the previous one
+        self._tenants: list[str] = []  # whose each booking is, in the same order
 
     def __len__(self) -> int:
         return len(self._times)
 
-    def book(self, earliest: float, spacing_s: float, latest: float = math.inf) -> float:
-        """Book a return at ``earliest`` or ``spacing_s`` after the last booked one, whichever is later; one
-        past ``latest`` is only told, not booked: the client will not wait that long."""
+    def book(self, earliest: float, spacing_s: float, latest: float = math.inf, tenant: str = "") -> float:
+        """Book ``tenant``'s return at ``earliest`` or ``spacing_s`` after the last booked one (anyone's: they
+        share the engine), whichever is later; one past ``latest`` is only told, not booked: the client will
+        not wait that long."""
         at = max(earliest, self._times[-1] + spacing_s) if self._times else earliest
         if at <= latest and len(self._times) < self.max_booked:
             self._times.append(at)
+            self._tenants.append(tenant)
         return at
 
-    def due(self, start: float, end: float) -> int:
-        """Returns booked in ``[start - grace_s, end]``: expected back before ``end``, or late but still coming."""
-        return bisect.bisect_right(self._times, end) - bisect.bisect_left(self._times, start - self.grace_s)
+    def due(self, start: float, end: float, tenant: str | None = None) -> int:
+        """Returns booked in ``[start - grace_s, end]``: expected back before ``end``, or late but still coming;
+        ``tenant``'s alone when given."""
+        lo, hi = bisect.bisect_left(self._times, start - self.grace_s), bisect.bisect_right(self._times, end)
+        if tenant is None:
+            return hi - lo
+        return sum(1 for i in range(lo, hi) if self._tenants[i] == tenant)
 
     def forget(self, now: float) -> None:
         gone = bisect.bisect_left(self._times, now - self.grace_s)
         if gone:
             del self._times[:gone]
+            del self._tenants[:gone]
 
 
 class Caution:
@@ -466,12 +475,12 @@ class AdmissionController:
         wait = self.config.queue_max_wait_s if max_wait_s is None else max_wait_s
         ahead = self.queue.prospective_position(tenant, qclass.priority, retry)
         predicted = self.predicted_wait(ahead, now)
-        if predicted is not None and not retry:  # clients told to come back meanwhile will go ahead of it
-            ahead += self.returns.due(now, now + predicted)
+        if predicted is not None and not retry:  # its tenant's clients told to come back meanwhile go ahead of it
+            ahead += self.returns.due(now, now + predicted, tenant)
             predicted = self.predicted_wait(ahead, now)
         if predicted is not None and predicted > wait:
             # it would wait its whole budget and then be refused: refuse now, and book when to come back
-            return Rejected("queue_wait_predicted", self.book_return(now, predicted), ahead)
+            return Rejected("queue_wait_predicted", self.book_return(now, predicted, tenant), ahead)
         ticket = Ticket(
             expected,
             tenant,
@@ -643,19 +652,19 @@ class AdmissionController:
         for position, ticket in enumerate(self.queue.in_order(), start=1):
             predicted = (position - len(doomed)) / rate  # those refused before it leave the line too
             if not ticket.retry:
-                predicted += self.returns.due(now, now + predicted) / rate
+                predicted += self.returns.due(now, now + predicted, ticket.tenant) / rate
             if now + predicted > ticket.deadline:
-                doomed.append((ticket, predicted, self.book_return(now, predicted)))
+                doomed.append((ticket, predicted, self.book_return(now, predicted, ticket.tenant)))
         for ticket, _, _ in doomed:
             self.queue.remove(ticket)
         return doomed
 
-    def book_return(self, now: float, line_wait_s: float) -> float:
-        """The Retry-After of a request refused for want of time: when the line it saw is gone, and after every
-        return booked before it, one finish apart."""
+    def book_return(self, now: float, line_wait_s: float, tenant: str = "") -> float:
+        """The Retry-After of ``tenant``'s request refused for want of time: when the line it saw is gone, and
+        after every return booked before it, one finish apart."""
         rate = self.drain.per_second(now)
         spacing = 1.0 / rate if rate > 0 else 1.0
-        at = self.returns.book(now + max(line_wait_s, 1.0), spacing, latest=now + HONOURED_RETRY_AFTER_S)
+        at = self.returns.book(now + max(line_wait_s, 1.0), spacing, latest=now + HONOURED_RETRY_AFTER_S, tenant=tenant)
         return min(at - now, 600.0)
 
     def eta(self, position: int, now: float) -> float | None:

@@ -124,6 +124,18 @@ def test_refused_clients_are_told_to_come_back_one_finish_apart_and_first_attemp
     assert len(c.returns) == 0
 
 
+def test_another_tenants_returns_do_not_stand_ahead_of_a_first_attempt() -> None:
+    """A retry goes ahead of its own tenant's first attempts only: tenant b's first attempt, which would be
+    admitted in time, is not refused for the returns booked for tenant a's refused clients."""
+    c = full_engine(finished_per_s=1.0)
+    now = 20.0
+    assert isinstance(c.submit(small(), "a", now, max_wait_s=30.0), Queued)
+    refusals = [c.submit(small(), "a", now, max_wait_s=0.5) for _ in range(5)]
+    assert all(isinstance(r, Rejected) for r in refusals) and len(c.returns) == 5
+    assert isinstance(c.submit(small(), "b", now, max_wait_s=2.5), Queued)  # ~2 s behind a's one queued
+    assert isinstance(c.submit(small(), "a", now, max_wait_s=2.5), Rejected)  # a's own returns come first
+
+
 def test_a_return_later_than_the_sdk_waits_is_told_but_not_booked() -> None:
     """At one finish every two seconds, a line of 80 is ~160 s long: the OpenAI SDK does not wait past 120 s (it
     gives up), so that client is not expected back and first attempts do not count it ahead of them."""
