@@ -305,6 +305,10 @@ class Admitter:
         """Seconds a request like this is expected to take from admission to its answer's end (0: unknown)."""
         return self.controller.answer_s(cost, key)
 
+    def first_event_s(self) -> float:
+        """Seconds a stream is expected to wait, once admitted, for its first event (0: unknown)."""
+        return self.controller.first_event.seconds()
+
     def tokens_by_now(self, reservation: Reservation) -> int | None:
         """Output tokens an answer admitted as ``reservation`` has had time to produce, at the latest answers'
         pace (their fastest quarter: more, not fewer); None while the pace is unknown."""

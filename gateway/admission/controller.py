@@ -26,7 +26,7 @@ from gateway.admission.gate import HysteresisGate
 from gateway.admission.ledger import ENGINE_LEAD_TOKENS, Ledger, Reservation
 from gateway.admission.output_lengths import BEYOND, OutputLengths
 from gateway.admission.queue import AdmissionQueue, QueueClass, Refused, Ticket
-from gateway.admission.service_time import ServicePace
+from gateway.admission.service_time import FirstEventWait, ServicePace
 from gateway.config import AdmissionConfig
 from gateway.tokens.cost import KvGeometry, RequestCost
 
@@ -209,6 +209,7 @@ class AdmissionController:
         est = config.output_estimate
         self.lengths = OutputLengths(window=est.window, min_samples=est.min_samples)
         self.pace = ServicePace()  # seconds per output token, admission to answer: how long an answer takes
+        self.first_event = FirstEventWait()  # admission to a stream's first event: what its head waits for
         self.caution = Caution(est.quantile, est.relax_after_s)
         self.outran = 0  # requests that outran their estimate (and grew their reservation)
         self.returns = ReturnBook()
@@ -551,6 +552,8 @@ class AdmissionController:
         book = self.engines.get(res.engine)
         if book is None or res.released:
             return
+        if res.first_token_at is None:
+            self.first_event.observe(now - res.admitted_at)
         book.ledger.progress(res, generated, now, lead_tokens)
         expected, full = res.cost.max_output, res.full.max_output
         if expected >= full:

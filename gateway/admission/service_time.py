@@ -58,3 +58,29 @@ class ServicePace:
         """Seconds an answer of ``output_tokens`` is expected to take once admitted; 0 while unknown."""
         pace = self.seconds_per_token()
         return 0.0 if pace is None else pace * output_tokens
+
+
+class FirstEventWait:
+    """Seconds from admission to a stream's first event (the engine's prefill and its own queue), of the latest
+    streams: what a streamed request under a client's read timeout must keep of it once admitted, since the
+    response head waits for that first event. The lower quartile, erring short as the pace does."""
+
+    def __init__(self, window: int = WINDOW, min_samples: int = MIN_SAMPLES) -> None:
+        self._seconds: deque[float] = deque(maxlen=window)
+        self.min_samples = min_samples
+        self._value: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        if seconds < 0:
+            return
+        self._seconds.append(seconds)
+        self._value = None
+
+    def seconds(self) -> float:
+        """The expected wait for a first event once admitted; 0 while too few streams are known."""
+        if len(self._seconds) < self.min_samples:
+            return 0.0
+        if self._value is None:
+            ordered = sorted(self._seconds)
+            self._value = ordered[max(0, math.ceil(PACE_QUANTILE * len(ordered)) - 1)]
+        return self._value

@@ -63,7 +63,7 @@ class Exchange:
         self.stream_interval = 1  # tokens per SSE event the engine batches (vLLM's stream_interval)
         self.chat = False  # its stream opens with role chunks that carry no token
         self.whole_answer = False  # answered in one piece (not a stream): see wait_budget_s
-        self.answer_s = 0.0  # the time its answer is expected to take once admitted, if kept out of its wait
+        self.answer_s = 0.0  # the time its answer (a stream: its first event) takes once admitted, kept out of its wait
         self.generated = 0  # output tokens relayed so far, at least (from the SSE events)
         self.usage: Usage | None = None
         self.broke_off = False  # its 200 stream ended in the engine's error event
@@ -83,8 +83,11 @@ class Exchange:
     async def charge_rate_limits(self, tenant: TenantPolicy, cost: RequestCost, key: tuple[str, ...] = ()) -> None:
         """Pre-charge the tenant's per-minute limits with prompt + reserved output (429 over a limit)."""
         self.tenant, self.cost, self.key = tenant, cost, key
-        if self.client.read_timeout and self.whole_answer:  # see wait_budget_s
-            self.answer_s = self._admitter.answer_s(cost, key)
+        if self.client.read_timeout:  # see wait_budget_s
+            if self.whole_answer:
+                self.answer_s = self._admitter.answer_s(cost, key)
+            else:  # a stream's head waits for its first event, which the engine's prefill must make first
+                self.answer_s = self._admitter.first_event_s()
         self.charge = await self._counters.check(tenant, cost.charge_tokens, cost.least_charge_tokens)
 
     async def take_slot(self) -> None:
@@ -166,11 +169,12 @@ class Exchange:
     @property
     def wait_budget_s(self) -> float:
         """How long it may wait for a slot and a reservation. A client's read timeout bounds an answer sent in
-        one piece as a whole: the time the engine will then take to answer is not for waiting (admitted later,
-        it would time out mid-generation, and the SDK would send it again)."""
+        one piece as a whole, and a stream up to its first event (its response head waits for it): the time the
+        engine will then take to answer, or to prefill, is not for waiting (admitted later, it would time out
+        in the engine, and the SDK would send it again)."""
         client_s = self.client.wait_s
         if client_s is not None:
-            client_s = max(0.0, client_s - self.answer_s)  # answer_s: worked out with the cost, 0 but for those
+            client_s = max(0.0, client_s - self.answer_s)  # answer_s: worked out with the cost, 0 without a timeout
         return self._tenant().wait_budget(client_s)
 
     def sending(self) -> None:

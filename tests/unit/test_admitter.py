@@ -18,6 +18,7 @@ from gateway.config import AdmissionConfig, RedisConfig
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.errors import GatewayError, shutting_down
 from gateway.server.exchange import Exchange
+from gateway.server.hints import client_hints
 from gateway.server.response import ResponseWriter
 from gateway.tenants.counters import TenantCounters
 from gateway.tenants.policy import TenantPolicy
@@ -390,6 +391,21 @@ async def test_a_request_the_engine_turned_away_as_busy_is_not_billed_even_when_
         ex.close(EngineBusy(1.0))
         assert ex.outcome == "upstream_busy"
     assert len(admitter.controller.ledger) == 0
+
+
+async def test_a_stream_under_a_read_timeout_keeps_its_first_events_wait_out_of_its_queue_wait() -> None:
+    """The SDK's read timeout runs until the response head, which waits for the stream's first event: a
+    stream admitted at the end of its timeout would time out in the engine's prefill and be sent again."""
+    admitter, _ = make()
+    for _ in range(8):
+        admitter.controller.first_event.observe(3.0)  # streams lately began 3 s after admission
+    for whole, budget in ((False, 9.0 - 3.0), (True, 9.0)):  # (a whole answer's pace is not known here)
+        ex = exchange(admitter)
+        ex.client = client_hints([(b"x-stainless-read-timeout", b"10")])  # 9 s of it to wait, the SDK's rule
+        ex.whole_answer = whole
+        await ex.charge_rate_limits(tenant(admitter), rc(5))
+        assert ex.wait_budget_s == budget
+        ex.close(None)
 
 
 async def test_a_request_placed_again_waits_within_what_is_left_since_it_began_waiting(

@@ -46,6 +46,26 @@ def test_the_pace_errs_short_and_follows_the_engine_as_it_slows() -> None:
     assert pace.seconds_per_token() == 0.05
 
 
+def test_a_streams_first_event_wait_is_learned_from_the_latest_streams_and_errs_short() -> None:
+    """A stream's response head waits for its first event (the engine's prefill, its own queue): under a read
+    timeout, that much of it is not for waiting in kvgate's queue. Unknown (0) until enough streams began."""
+    c = AdmissionController(AdmissionConfig(), GEO)
+    c.begin_sample()
+    c.apply_sample(UsageSample(0.0, 0.0))
+    firsts = (0.5, 0.5, 2.0, 3.0, 3.0, 4.0, 4.0, 4.0)
+    for i, first in enumerate(firsts):
+        decision = c.submit(RequestCost((100,), 1, 10, 8), "t", 10.0 * i)
+        assert isinstance(decision, Admitted)
+        c.progress(decision.reservation, 1, 10.0 * i + first)
+        c.progress(decision.reservation, 2, 10.0 * i + first + 1.0)  # later events teach nothing
+        assert c.first_event.seconds() == (0.0 if i < MIN_SAMPLES - 1 else 0.5)
+    for i in range(8):  # the engine slowed: the latest streams' lower quartile
+        decision = c.submit(RequestCost((100,), 1, 10, 8), "t", 100.0 + i)
+        assert isinstance(decision, Admitted)
+        c.progress(decision.reservation, 1, 100.0 + i + 3.0)
+    assert c.first_event.seconds() == 3.0
+
+
 @given(st.lists(st.tuples(st.integers(0, 5000), st.floats(0.0, 1e4)), max_size=200), st.integers(0, 100_000))
 def test_an_answer_time_is_never_negative_and_grows_with_its_length(
     answers: list[tuple[int, float]], tokens: int
