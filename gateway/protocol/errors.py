@@ -123,6 +123,22 @@ def slot_timeout(tenant: str, limit: int, retry_after_s: float, waited_s: float,
     )
 
 
+def answer_outlasts_timeout(tokens: int, answer_s: float, timeout_s: float) -> GatewayError:
+    """An answer sent in one piece whose length is certain (``ignore_eos``, or ``min_tokens`` at its budget)
+    and whose time, even at the fastest pace lately seen, is past the client's read timeout: it would time out
+    however soon it were admitted, and the SDK would have it generated again on each retry. A 400, which no SDK
+    retries."""
+    return GatewayError(
+        400,
+        f"This answer's {tokens} tokens are expected to take {answer_s:.1f}s once the engine starts on it, longer "
+        f"than the client's read timeout ({timeout_s:g}s): it would time out, and be generated again on every "
+        "retry. Stream it (stream: true), raise the client's timeout, or lower max_tokens.",
+        code="answer_outlasts_timeout",
+        param="max_tokens",
+        extra={"answer_eta_s": round(answer_s, 3)},
+    )
+
+
 def wait_predicted(retry_after_s: float, extra: dict[str, object] | None = None) -> GatewayError:
     """Refused early: at the rate requests are finishing, this one could not be admitted within its wait budget
     (the client's, its tenant's or the config's), so it is told now instead of at the end of that wait."""

@@ -15,8 +15,8 @@ from typing import Literal
 
 from gateway.admission.admitter import Admission, Admitter
 from gateway.metrics import GatewayMetrics
-from gateway.protocol.errors import GatewayError
-from gateway.server.hints import NO_HINTS
+from gateway.protocol.errors import GatewayError, answer_outlasts_timeout
+from gateway.server.hints import CLIENT_MARGIN_S, NO_HINTS
 from gateway.server.response import ResponseWriter
 from gateway.server.settle import stream_lead, tokens_streamed, tokens_used
 from gateway.tenants.counters import Charge, TenantCounters
@@ -86,6 +86,9 @@ class Exchange:
         if self.client.read_timeout:  # see wait_budget_s
             if self.whole_answer:
                 self.answer_s = self._admitter.answer_s(cost, key)
+                timeout_s = (self.client.wait_s or 0.0) + CLIENT_MARGIN_S
+                if 0 < cost.max_output <= cost.min_output and self.answer_s >= timeout_s:
+                    raise answer_outlasts_timeout(cost.max_output, self.answer_s, timeout_s)
             else:  # a stream's head waits for its first event, which the engine's prefill must make first
                 self.answer_s = self._admitter.first_event_s()
         self.charge = await self._counters.check(tenant, cost.charge_tokens, cost.least_charge_tokens)

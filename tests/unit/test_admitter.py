@@ -408,6 +408,29 @@ async def test_a_stream_under_a_read_timeout_keeps_its_first_events_wait_out_of_
         ex.close(None)
 
 
+async def test_a_whole_answer_certain_to_outlast_the_clients_read_timeout_is_refused_before_anything_runs() -> None:
+    """Run to its budget (ignore_eos) at the fastest pace lately seen, it would take longer than the SDK's
+    read timeout however soon it were admitted: the engine would generate it for nothing, once per retry. A
+    400 (which no SDK retries) that says what to do; an answer of uncertain length, or one that fits, goes on."""
+    admitter, _ = make()
+    for _ in range(8):
+        admitter.controller.pace.observe(100, 1.0)  # 10 ms a token, lately
+    certain = RequestCost((16,), 1, 400, 30, min_output=400)  # 400 tokens: 4 s
+    uncertain = RequestCost((16,), 1, 400, 30)
+    for cost, timeout, refused in ((certain, b"3", True), (certain, b"10", False), (uncertain, b"3", False)):
+        ex = exchange(admitter)
+        ex.client = client_hints([(b"x-stainless-read-timeout", timeout)])
+        ex.whole_answer = True
+        if refused:
+            with pytest.raises(GatewayError) as err:
+                await ex.charge_rate_limits(tenant(admitter), cost)
+            assert err.value.status == 400 and err.value.code == "answer_outlasts_timeout"
+            assert err.value.extra["answer_eta_s"] == pytest.approx(4.0) and ex.charge is None
+        else:
+            await ex.charge_rate_limits(tenant(admitter), cost)
+        ex.close(None)
+
+
 async def test_a_request_placed_again_waits_within_what_is_left_since_it_began_waiting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
