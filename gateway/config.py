@@ -292,12 +292,7 @@ class TenantLimits(_Model):
 
 
 class TenantConfig(TenantLimits):
-    name: str = Field(
-        min_length=1,
-        pattern=r"^[^/]+$",
-        description="Without '/': a per-model override's counters are keyed '<tenant>/<model>', and a tenant "
-        "named like that would share them.",
-    )
+    name: str = Field(min_length=1)
     api_keys: list[str] = Field(default_factory=list, description="Plain keys or 'sha256:<hex>'.")
     priority: PriorityClass | None = Field(
         "standard", description="critical > standard > sheddable: strict priority; sheddable is shed first."
@@ -328,9 +323,7 @@ def check_api_key(key: str) -> None:
 
 class AuthConfig(_Model):
     require_api_key: bool = Field(False, description="401 for requests without a known key.")
-    default_tenant: str = Field(
-        "default", min_length=1, pattern=r"^[^/]+$", description="Tenant of anonymous traffic (when keys are optional)."
-    )
+    default_tenant: str = Field("default", description="Tenant of anonymous traffic (when keys are optional).")
     isolate_prefix_cache: bool = Field(
         False,
         description="Each tenant's generations reach the engine with a cache_salt of its own: no tenant shares "
@@ -515,6 +508,14 @@ class GatewayConfig(_Model):
                 owner = owners.setdefault(digest, tenant.name)
                 if owner != tenant.name:
                     raise ValueError(f"an API key of tenant '{tenant.name}' is also tenant '{owner}'s")
+        names.add(self.auth.default_tenant)
+        for tenant in self.tenants:  # a per-model override's counters are keyed '<tenant>/<model>'
+            for model in tenant.models:
+                if f"{tenant.name}/{model}" in names:
+                    raise ValueError(
+                        f"tenant '{tenant.name}/{model}' would share the counters of tenant '{tenant.name}''s "
+                        f"override for model '{model}': rename one"
+                    )
         return self
 
     @model_validator(mode="after")

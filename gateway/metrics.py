@@ -326,7 +326,8 @@ class GatewayMetrics:
         self.requests = Counter(
             "kvgate_requests",
             "Proxied requests, once each when they end, by the class of their answer's status (2xx, 4xx, 429, "
-            "5xx; none: the client went away before any answer)",
+            "5xx, a 200 stream cut by an error counted as 5xx; none: the client went away, before or during its "
+            "answer)",
             ["code"],
             registry=r,
         )

@@ -33,6 +33,7 @@ from gateway.tokens.cost import RequestCost
 
 # Releases that are not a request finishing on the engine: they say nothing of the rate the line moves at.
 NOT_FINISHED = frozenset({"claim_refused", "claim_unanswered", "engine_unreachable", "upstream_busy"})
+NEVER_SENT = frozenset({"claim_refused", "claim_unanswered", "engine_unreachable"})  # the engine got none of it
 NO_ENGINE = "No engine of the pool is taking requests now (each is down, restarting or leaving, or none is left)."
 
 
@@ -305,6 +306,10 @@ class Admitter:
         """Seconds a request like this is expected to take from admission to its answer's end (0: unknown)."""
         return self.controller.answer_s(cost, key)
 
+    def certain_answer_s(self, cost: RequestCost) -> float:
+        """Seconds an answer of certain length takes once admitted (0: its length or such a pace unknown)."""
+        return self.controller.certain_answer_s(cost)
+
     def first_event_s(self) -> float:
         """Seconds a stream is expected to wait, once admitted, for its first event (0: unknown)."""
         return self.controller.first_event.seconds()
@@ -320,7 +325,7 @@ class Admitter:
     def release(self, reservation: Reservation, outcome: str) -> bool:
         """Give the reservation's blocks back and admit whoever now fits; True the first time only."""
         finished = outcome not in NOT_FINISHED
-        if not self.controller.release(reservation, self.clock(), finished=finished):
+        if not self.controller.release(reservation, self.clock(), finished=finished, unsent=outcome in NEVER_SENT):
             return False
         self.metrics.released.labels(outcome).inc()
         if self.shared is not None:

@@ -113,7 +113,7 @@ class ReturnBook:
         self.grace_s = grace_s
         self.max_booked = max_booked
         self._times: list[float] = []  # nondecreasing: each booking is after the previous one
-        self._tenants: list[str] = []  # whose each booking is, in the same order
+        self._by_tenant: dict[str, list[float]] = {}  # the same bookings, per tenant (nondecreasing each)
 
     def __len__(self) -> int:
         return len(self._times)
@@ -125,22 +125,24 @@ class ReturnBook:
         at = max(earliest, self._times[-1] + spacing_s) if self._times else earliest
         if at <= latest and len(self._times) < self.max_booked:
             self._times.append(at)
-            self._tenants.append(tenant)
+            self._by_tenant.setdefault(tenant, []).append(at)
         return at
 
     def due(self, start: float, end: float, tenant: str | None = None) -> int:
         """Returns booked in ``[start - grace_s, end]``: expected back before ``end``, or late but still coming;
         ``tenant``'s alone when given."""
-        lo, hi = bisect.bisect_left(self._times, start - self.grace_s), bisect.bisect_right(self._times, end)
-        if tenant is None:
-            return hi - lo
-        return sum(1 for i in range(lo, hi) if self._tenants[i] == tenant)
+        times = self._times if tenant is None else self._by_tenant.get(tenant, [])
+        return bisect.bisect_right(times, end) - bisect.bisect_left(times, start - self.grace_s)
 
     def forget(self, now: float) -> None:
         gone = bisect.bisect_left(self._times, now - self.grace_s)
         if gone:
             del self._times[:gone]
-            del self._tenants[:gone]
+            for tenant, times in list(self._by_tenant.items()):
+                if cut := bisect.bisect_left(times, now - self.grace_s):
+                    del times[:cut]
+                if not times:
+                    del self._by_tenant[tenant]
 
 
 class Caution:
@@ -619,15 +621,25 @@ class AdmissionController:
             return 0.0
         return self.pace.answer_s(min(cost.max_output, max(cost.min_output, median)))
 
-    def release(self, res: Reservation, now: float, finished: bool = True) -> bool:
+    def certain_answer_s(self, cost: RequestCost) -> float:
+        """Seconds an answer of certain length (it runs to its budget: ``ignore_eos``, ``min_tokens``) takes
+        at the pace of answers about as long; 0 when its length is not certain or no such pace is known."""
+        if cost.num_sequences > 1 or not 0 < cost.max_output <= cost.min_output:
+            return 0.0
+        return self.pace.answer_s_like(cost.max_output)
+
+    def release(self, res: Reservation, now: float, finished: bool = True, unsent: bool = False) -> bool:
         """Give ``res`` back (True the first time only). ``finished``: the request ended on the engine, which
-        is what the finish rate behind queue ETAs counts (not a claim refused or an engine unreachable)."""
+        is what the finish rate behind queue ETAs counts (not a claim refused or an engine unreachable);
+        ``unsent``: it never reached the engine."""
         book = self.engines.get(res.engine)
         if book is None or not book.ledger.release(res):
             return False
         if finished:
             self.drain.record(now)
             book.finished_one()
+        elif unsent:
+            book.unsent_one()
         self._forget_if_done(book)
         return True
 

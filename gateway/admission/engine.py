@@ -155,10 +155,11 @@ class EngineBook:
             lost = self.ledger.drop_admitted_before(previous.taken_at)
         self.ledger.commit_sample()
         self.gate.observe(sample.usage)
-        if self.busy_hold and (
-            len(self.ledger) == 0 or (self._busy_waiting is not None and sample.waiting < self._busy_waiting)
-        ):
-            self.busy_hold = False  # its queue got shorter, or nothing of ours is left here to end and say so
+        if self.busy_hold:
+            if len(self.ledger) == 0 or (self._busy_waiting is not None and sample.waiting < self._busy_waiting):
+                self.busy_hold = False  # its queue got shorter, or nothing of ours is left here to end and say so
+            else:  # others' requests may have ended, which nothing of ours tells: one request tries, each sample
+                self._busy_room = max(self._busy_room, 1)
         preempted = previous is not None and not lost and sample.preemptions > previous.preemptions
         # Usage a block or two past the watermark is rounding; halfway to a full pool is an overshoot.
         overshoot = sample.usage > (1 + self.config.high_watermark) / 2
@@ -168,8 +169,10 @@ class EngineBook:
 
     def scrape_failed(self, now: float, pooled: bool, refused: bool = False) -> bool:
         """A scrape failed (``refused``: its connection was); in a pool (``pooled``), the third in a row ejects
-        the engine. True if it did."""
+        the engine. True if it did. A busy hold lets one request try, as a sample would."""
         self.scrape_failures += 1
+        if self.busy_hold:
+            self._busy_room = max(self._busy_room, 1)
         self.down = refused
         if pooled and self.scrape_failures >= SCRAPE_FAILURES_TO_EJECT and not self.ejected:
             self.eject(now, "scrape")
@@ -179,15 +182,21 @@ class EngineBook:
     def hold_busy(self) -> None:
         """The engine turned a request away as busy (its queue of requests is full): admit nothing more here
         until it has room, or each admission would only be turned away in its turn (and the queue here emptied
-        into 503s). Each request here that ends frees one place, for one admission (:meth:`finished_one`); the
-        hold ends when a sample shows the engine's queue shorter than the last one had, or none of ours left
-        here (the queue is others' traffic then: the next sample tries again)."""
+        into 503s). Each request here that ends frees one place, for one admission (:meth:`finished_one`), and
+        each sample (or failed scrape) lets one try, since others' requests end unseen; the hold ends when a
+        sample shows the engine's queue shorter than the last one had, or none of ours left here."""
         self.busy_hold = True
         self._busy_waiting = self.sample.waiting if self.sample is not None else None
         self._busy_room = 0
 
     def finished_one(self) -> None:
         """A request here ended: under a busy hold, one place is free on the engine."""
+        if self.busy_hold:
+            self._busy_room += 1
+
+    def unsent_one(self) -> None:
+        """A request admitted here was given back unsent (its claim refused, its connection refused): under a
+        busy hold, the place it took is free again."""
         if self.busy_hold:
             self._busy_room += 1
 

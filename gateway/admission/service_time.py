@@ -32,6 +32,7 @@ class ServicePace:
 
     def __init__(self, window: int = WINDOW, min_samples: int = MIN_SAMPLES) -> None:
         self._per_token: deque[float] = deque(maxlen=window)
+        self._tokens: deque[int] = deque(maxlen=window)  # each answer's length, beside its seconds per token
         self.min_samples = min_samples
         self._pace: float | None = None
 
@@ -43,7 +44,18 @@ class ServicePace:
         if output_tokens < MIN_TOKENS or seconds <= 0:
             return
         self._per_token.append(seconds / output_tokens)
+        self._tokens.append(output_tokens)
         self._pace = None
+
+    def answer_s_like(self, output_tokens: int) -> float:
+        """Seconds an answer of ``output_tokens`` takes at the pace of the latest answers at least a quarter
+        as long (a short answer's prefill weighs on its seconds per token: a pace learned from them says a long
+        one takes several times what it does); 0 while too few such answers are known. What refusing an answer
+        outright rests on, not the pace of all answers."""
+        alike = sorted(p for p, n in zip(self._per_token, self._tokens, strict=True) if 4 * n >= output_tokens)
+        if len(alike) < self.min_samples:
+            return 0.0
+        return alike[max(0, math.ceil(PACE_QUANTILE * len(alike)) - 1)] * output_tokens
 
     def seconds_per_token(self) -> float | None:
         """The pace (:data:`PACE_QUANTILE` of the latest answers), or None while too few answers are known."""

@@ -138,7 +138,8 @@ class Gateway:
         """A reloaded, valid config: swap in its tenants, auth and passthrough as one new snapshot, between
         requests. The rest stays as started (``admission`` too: its default wait budget is the running one,
         as the reload's warning says)."""
-        self.policy = self._policy(config, self.policy.version + 1, self.config.admission.queue_max_wait_s)
+        self.policy = policy = self._policy(config, self.policy.version + 1, self.config.admission.queue_max_wait_s)
+        self.counters.limits_changed(lambda tenant, model: policy.resolve(tenant, model).max_concurrent)
 
     # --- ASGI ---------------------------------------------------------------------------------------
 

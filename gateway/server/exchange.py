@@ -24,9 +24,10 @@ from gateway.tenants.policy import TenantPolicy
 from gateway.tenants.ratelimit import ratelimit_headers
 from gateway.tenants.slots import Slot
 from gateway.tokens.cost import RequestCost
-from gateway.upstream.forwarder import EngineUnreachable, Usage
+from gateway.upstream.forwarder import EngineBusy, EngineUnreachable, Usage
 
 Stage = Literal["body", "waiting", "queued", "streaming"]
+MAX_BUSY_REFUSALS = 3  # times the engine may turn one request away as busy before its client hears so
 Outcome = Literal["completed", "client_disconnect", "upstream_busy", "upstream_error", "engine_unreachable", "error"]
 
 
@@ -67,6 +68,7 @@ class Exchange:
         self.generated = 0  # output tokens relayed so far, at least (from the SSE events)
         self.usage: Usage | None = None
         self.broke_off = False  # its 200 stream ended in the engine's error event
+        self.busy_refusals = 0  # times the engine turned it away as busy (its queue full)
         self.outcome: Outcome | None = None  # set once, when the exchange closes
 
     @property
@@ -87,8 +89,8 @@ class Exchange:
             if self.whole_answer:
                 self.answer_s = self._admitter.answer_s(cost, key)
                 timeout_s = (self.client.wait_s or 0.0) + CLIENT_MARGIN_S
-                if 0 < cost.max_output <= cost.min_output and self.answer_s >= timeout_s:
-                    raise answer_outlasts_timeout(cost.max_output, self.answer_s, timeout_s)
+                if (certain_s := self._admitter.certain_answer_s(cost)) >= timeout_s:
+                    raise answer_outlasts_timeout(cost.max_output, certain_s, timeout_s)
             else:  # a stream's head waits for its first event, which the engine's prefill must make first
                 self.answer_s = self._admitter.first_event_s()
         self.charge = await self._counters.check(tenant, cost.charge_tokens, cost.least_charge_tokens)
@@ -157,16 +159,24 @@ class Exchange:
         generated, and nothing is billed. Admissions to that engine are held until it has room
         (:meth:`Admitter.busy`), its reservation is given back, and it waits in the queue again, ahead of first
         attempts, for what is left of its wait budget (an SDK's own retry would come back later, to the end of
-        the line). False when none is left: its client hears that the engine was busy."""
+        the line). False when none is left, or it was turned away ``MAX_BUSY_REFUSALS`` times (an engine
+        always busy, or a proxy in front of it that keeps saying 429): its client hears that the engine was busy,
+        and so it does when its budget runs out in the queue."""
         assert self.admission is not None
         self.reached_engine = False
+        self.busy_refusals += 1
         self._admitter.busy(self.engine)
         self._admitter.release(self.admission.reservation, "upstream_busy")
         self.admission = None
         waited = asyncio.get_running_loop().time() - self._waiting_since
-        if waited >= self.wait_budget_s:
+        if waited >= self.wait_budget_s or self.busy_refusals >= MAX_BUSY_REFUSALS:
             return False
-        await self._admit(waited, retry=True)
+        try:
+            await self._admit(waited, retry=True)
+        except GatewayError as exc:
+            if exc.code in ("queue_timeout", "queue_wait_predicted"):
+                raise EngineBusy(exc.retry_after_s or 1.0) from exc  # what kept it waiting was the engine's queue
+            raise
         return True
 
     @property

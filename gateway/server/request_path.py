@@ -159,8 +159,8 @@ class RequestPath:
         """Counted once, by what the client got, and its access line (``log_requests``)."""
         writer = exchange.writer
         status = writer.status if writer.started else 0
-        if not status:
-            answered = "none"  # the client went away before any answer
+        if not status or reason == "client_disconnect":
+            answered = "none"  # the client went away, before its answer or during it: nobody's error
         elif status == 200 and (reason is not None or exchange.outcome == "upstream_error"):
             answered = "5xx"  # a 200 stream that ended in an error event: a 5xx told in-band
         else:
@@ -169,7 +169,7 @@ class RequestPath:
         if not self.log_requests or not access_log.isEnabledFor(logging.INFO):
             return
         admission, usage, tenant = exchange.admission, exchange.usage, exchange.tenant
-        path = raw_path_of(scope)  # never the query: it can carry what a key or a client's secret is
+        path = raw_path_of(scope)[:256]  # never the query: it can carry what a key or a client's secret is
         fields: dict[str, object] = {
             "method": scope["method"],
             "path": path,
@@ -180,7 +180,7 @@ class RequestPath:
         if tenant is not None:
             fields["tenant"] = tenant.tenant
         if exchange.key:
-            fields["model"] = exchange.key[0]
+            fields["model"] = exchange.key[0][:128]  # the client's own string: bounded, as its request id is
         if admission is not None:
             fields["engine"] = admission.reservation.engine
             fields["queue_wait_ms"] = round((admission.waited_s + exchange.slot_wait_s) * 1000, 1)

@@ -58,10 +58,6 @@ class TenantDirectory:
         """The tenant's name; anonymous traffic goes to the default tenant unless keys are required (or
         ``anonymous`` is False: a route only a key may call)."""
         token = _bearer(authorization)
-        if token is None and authorization and (self.require_api_key or self._by_digest):
-            # a key sent some other way (no scheme, Token, Basic) is still a key: never served as anonymous, as
-            # if the client had sent none and were billed under its own
-            raise GatewayError(401, "Send the API key as 'Authorization: Bearer <key>'.", code="invalid_api_key")
         if token is not None:
             tenant = self._by_digest.get(key_digest(token))
             if tenant is not None:

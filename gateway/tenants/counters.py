@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -81,6 +82,7 @@ class TenantCounters:
         self.local = RateLimiter()
         self.slots = SlotTable()
         self._limits: dict[str, int] = {}  # max_concurrent per key, as the newest policy says (config-bounded)
+        self._whose: dict[str, str] = {}  # each of those keys' tenant
         self.holds = HoldTimes()  # how long each key's slots are held: when a request refused one may come back
         self.redis = (
             RedisState(cfg, on_health=self._on_redis_health, on_error=metrics.redis_errors.inc) if cfg.url else None
@@ -233,11 +235,23 @@ class TenantCounters:
         started = self.clock()
         # the newest policy's limit, for the requests already waiting too: a reload that raises it lets them in
         # (they would hold the line at the old limit, and every new request behind them)
-        raised = tp.max_concurrent > self._limits.get(tp.key, tp.max_concurrent)
-        self._limits[tp.key] = tp.max_concurrent
-        if raised and (line := self._waiters.get(tp.key)):
-            line[0].set()  # the head tries again now, at the new limit, and wakes the next if it got one
+        self._whose[tp.key] = tp.tenant
+        self._set_limit(tp.key, tp.max_concurrent)
         return await self._acquire(tp, started, started + wait_s, queued_elsewhere)
+
+    def limits_changed(self, max_concurrent: Callable[[str, str | None], int | None]) -> None:
+        """A reload: each key's ``max_concurrent`` as the new policy says (``max_concurrent(tenant, model)``,
+        ``model`` the override's, None for the tenant's own). The requests waiting under a limit raised (or
+        lifted) try again now, not when a new request of their tenant comes."""
+        for key, tenant in self._whose.items():
+            limit = max_concurrent(tenant, key[len(tenant) + 1 :] or None)
+            self._set_limit(key, sys.maxsize if limit is None else limit)
+
+    def _set_limit(self, key: str, limit: int) -> None:
+        raised = limit > self._limits.get(key, limit)
+        self._limits[key] = limit
+        if raised and (line := self._waiters.get(key)):
+            line[0].set()  # the head tries again now, at the new limit, and wakes the next if it got one
 
     async def _acquire(
         self,

@@ -95,6 +95,7 @@ class EnginePool:
         self._turn = itertools.count()
         self._model = ModelInfo()  # worked out when an engine comes, goes or says what it serves (_model_changed)
         self.left_after_a_sample = False  # an engine that had been sampled has left (the pool was seen working)
+        self._gone_age: Callable[[], float] | None = None  # the age of the latest sample of an engine that left
 
     # --- membership ---------------------------------------------------------------------------------
 
@@ -141,6 +142,9 @@ class EnginePool:
         if engine is None:
             return
         self._retired[url] = engine  # first: requests placed there still find its client
+        age = engine.scraper.age()
+        if age < float("inf") and (self._gone_age is None or age < self._gone_age()):
+            self._gone_age = engine.scraper.age  # the pool's metrics are then as old as this one's last sample
         self.left_after_a_sample |= engine.scraper.age() < float("inf")
         self._model_changed()
         self.admitter.controller.remove_engine(url)
@@ -219,8 +223,13 @@ class EnginePool:
             self._model = ModelInfo(first.id, shortest, first.root, first.names)
 
     def age(self) -> float:
-        """Age of the freshest sample of any engine."""
-        return min((e.scraper.age() for e in self.engines.values()), default=float("inf"))
+        """Age of the freshest sample of any engine, those that left the pool included (infinite until one was
+        sampled): after a rollout to engines not sampled yet, the pool's metrics are as old as the last sample
+        of one that left, not unknown."""
+        ages = [e.scraper.age() for e in self.engines.values()]
+        if self._gone_age is not None:
+            ages.append(self._gone_age())
+        return min(ages, default=float("inf"))
 
     @property
     def last_error(self) -> str | None:

@@ -61,6 +61,8 @@ def test_disconnect_in_flight_cancels_upstream_within_1s(
     wait_for(lambda: scrape(gw)["kvgate_reserved_blocks"] == 0)
     m = assert_ledger_empty(gw)
     assert m["kvgate_reservations_released_total{outcome=client_disconnect}"] == 1
+    # a client that went away, mid-stream too, is nobody's error: not a 5xx for the rejection alert
+    assert m["kvgate_requests_total{code=none}"] == 1 and "kvgate_requests_total{code=5xx}" not in m
 
 
 def test_disconnect_while_queued_leaves_the_queue(mini_vllm: Callable[..., str], gateway: Callable[..., str]) -> None:

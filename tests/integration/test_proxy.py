@@ -292,16 +292,17 @@ def test_an_engine_busy_for_longer_than_the_wait_budget_in_both_forms_is_a_503_w
     nothing: the request waits for room and goes again, and when its wait budget runs out first, its client
     hears 503 with Retry-After, billed nothing."""
     upstream = mini_vllm(busy_after=0)  # vLLM with a full --max-num-queued-reqs queue: rejects everything
-    config = {"tokenizer": "heuristic", "admission": {"queue_max_wait_s": 1.0}, "telemetry": {"scrape_interval_s": 0.1}}
+    config = {"tokenizer": "heuristic", "admission": {"queue_max_wait_s": 3.0}, "telemetry": {"scrape_interval_s": 0.1}}
     gw = gateway(upstream, config)
     plain = httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 3})
     streamed = httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 3, "stream": True})
     for r in (plain, streamed):
         assert r.status_code == 503, r.text
-        assert r.json()["error"]["code"] in ("engine_busy", "queue_timeout")
+        assert r.json()["error"]["code"] == "engine_busy"  # what kept it waiting was the engine's own queue
         assert "retry-after" in r.headers and "retry-after-ms" in r.headers
     m = assert_ledger_empty(gw)
-    assert m["kvgate_upstream_busy_total{form=status}"] >= 1 and m["kvgate_upstream_busy_total{form=sse}"] >= 1
+    assert 1 <= m["kvgate_upstream_busy_total{form=status}"] <= 3  # sent again twice at most, not every scrape
+    assert 1 <= m["kvgate_upstream_busy_total{form=sse}"] <= 3
     busy = m["kvgate_upstream_busy_total{form=status}"] + m["kvgate_upstream_busy_total{form=sse}"]
     assert m["kvgate_reservations_released_total{outcome=upstream_busy}"] == busy
     assert m["kvgate_requests_total{code=5xx}"] == 2

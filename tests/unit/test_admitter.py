@@ -372,6 +372,46 @@ async def test_a_request_the_engine_turned_away_as_busy_waits_for_room_and_goes_
     assert len(controller.ledger) == 0
 
 
+async def test_a_busy_hold_lets_one_request_try_at_each_sample_and_gets_back_a_place_unsent() -> None:
+    """Others' requests end unseen (vLLM counts every client's in its queue): a hold lifted only by our own
+    finishes kept the queue here waiting while the engine had room. One request tries at each sample (or
+    failed scrape); and a place taken by a request given back unsent (its claim, or its connection, refused)
+    is free again."""
+    admitter, clock = make()
+    controller = admitter.controller
+    (book,) = controller.engines.values()
+    running = exchange(admitter)  # ours, long: no finish will come for a while
+    await running.charge_rate_limits(tenant(admitter), rc(5))
+    await running.admit()
+    running.sending()
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.1, clock.now, waiting=2.0))
+    admitter.busy(book.name)  # another request was turned away
+    waiters = [asyncio.create_task(hold(admitter, 5, asyncio.Event())) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert len(controller.queue) == 3
+    clock.now = 1.0
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.1, clock.now, waiting=2.0))  # the engine's queue no shorter: still held
+    await asyncio.sleep(0)
+    assert len(controller.queue) == 2 and book.busy_hold  # but one tried
+    admitter.scrape_failed()
+    await asyncio.sleep(0)
+    assert len(controller.queue) == 1
+    placed = controller.submit(rc(5), "t", clock.now)  # queues behind the last one: no place left
+    assert isinstance(placed, Queued)
+    controller.cancel(placed.ticket)
+    admitted = next(r for r in book.ledger.live() if r is not running.admission.reservation)  # type: ignore[union-attr]
+    admitter.release(admitted, "engine_unreachable")  # given back unsent: its place is free again
+    await asyncio.sleep(0)
+    assert len(controller.queue) == 0
+    for task in waiters:
+        task.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    running.close(None)
+    assert len(controller.ledger) == 0
+
+
 async def test_a_request_the_engine_turned_away_as_busy_is_not_billed_even_when_its_budget_runs_out() -> None:
     """vLLM ran nothing of it: a client that comes back after the Retry-After must not find its requests per
     minute spent on refusals."""

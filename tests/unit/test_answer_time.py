@@ -46,6 +46,20 @@ def test_the_pace_errs_short_and_follows_the_engine_as_it_slows() -> None:
     assert pace.seconds_per_token() == 0.05
 
 
+def test_refusing_an_answer_outright_rests_on_the_pace_of_answers_about_as_long() -> None:
+    """Short answers' prefill weighs on their seconds per token: 16 tokens after 1 s of prefill read as 75 ms a
+    token, which would say a 1,000-token answer takes 75 s where it takes ~13.5 s."""
+    pace = ServicePace()
+    for _ in range(MIN_SAMPLES):
+        pace.observe(16, 1.0 + 16 * 0.0125)
+    assert pace.answer_s(1000) == pytest.approx(75.0)  # what the wait budget errs with, cutting short
+    assert pace.answer_s_like(1000) == 0.0  # no answer a quarter as long: no pace to refuse on
+    assert pace.answer_s_like(64) == pytest.approx(64 * 0.075)  # 16 tokens are a quarter of 64
+    for _ in range(MIN_SAMPLES):
+        pace.observe(800, 800 * 0.0125 + 1.0)
+    assert pace.answer_s_like(1000) == pytest.approx(1000 * (0.0125 + 1 / 800))
+
+
 def test_a_streams_first_event_wait_is_learned_from_the_latest_streams_and_errs_short() -> None:
     """A stream's response head waits for its first event (the engine's prefill, its own queue): under a read
     timeout, that much of it is not for waiting in kvgate's queue. Unknown (0) until enough streams began."""

@@ -112,8 +112,9 @@ def test_config_errors_point_at_the_tenant() -> None:
     digest = hashlib.sha256(b"k").hexdigest()
     assert parse_config(f"tenants:\n  - name: a\n    api_keys: [k, 'sha256:{digest}']\n").tenants[0].api_keys
     with pytest.raises(ConfigError) as err:  # a tenant named as another's per-model counters are keyed
-        parse_config("tenants:\n  - name: acme\n  - name: acme/llama\n", "p.yaml")
-    assert "tenants.1.name" in err.value.errors[0]
+        parse_config("tenants:\n  - name: acme\n    models: {llama: {}}\n  - name: acme/llama\n", "p.yaml")
+    assert "would share the counters" in err.value.errors[0]
+    assert parse_config("tenants:\n  - name: team/a\n").tenants[0].name == "team/a"  # no clash, no refusal
     with pytest.raises(ConfigError) as err:
         parse_config("tenants:\n  - name: a\n    api_keys: ['sha256:abc']\n", "p.yaml")
     assert "64 hex digits" in err.value.errors[0]
@@ -243,6 +244,21 @@ async def test_a_reload_that_raises_max_concurrent_lets_the_requests_already_wai
     arriving = asyncio.create_task(limits.acquire_slot(new, 30.0))  # after the reload
     slots = await asyncio.wait_for(asyncio.gather(waiting, arriving), timeout=5)
     assert all(slot is not None for slot in slots) and limits.slots.held("t") == 3
+    for slot in (held, *slots):
+        assert slot is not None
+        limits.release_slot(slot)
+
+
+async def test_a_reload_that_raises_max_concurrent_lets_the_waiting_in_without_a_new_request() -> None:
+    limits = TenantCounters(RedisConfig(), GatewayMetrics())
+    one = TenantPolicy("t", "t", RateLimits(), 1, 30.0, QueueClass())
+    held = await limits.acquire_slot(one, 1.0)
+    waiting = [asyncio.create_task(limits.acquire_slot(one, 30.0)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    assert not any(w.done() for w in waiting)
+    limits.limits_changed(lambda tenant, model: 10 if (tenant, model) == ("t", None) else None)
+    slots = await asyncio.wait_for(asyncio.gather(*waiting), timeout=5)
+    assert limits.slots.held("t") == 3
     for slot in (held, *slots):
         assert slot is not None
         limits.release_slot(slot)

@@ -57,3 +57,24 @@ async def test_a_tenant_removed_by_a_reload_leaves_the_queue_depth_gauge() -> No
         assert depths() == {"alpha"}
     finally:
         await gw.shutdown()
+
+
+async def test_after_a_rollout_to_engines_not_sampled_yet_the_metrics_are_as_old_as_the_last_sample_seen() -> None:
+    """Not unknown: the age alerts (and a tier gateway's readiness) go on from the last sample of an engine that
+    left, rather than falling silent as at a first start."""
+    clock = Clock()
+    gw = Gateway(GatewayConfig.model_validate({"admission": {"stale_after_s": 1.0}}), clock=clock)
+    try:
+        await gw.pool.start()
+        ((url, engine),) = gw.pool.engines.items()
+        engine.scraper.clock = clock
+        assert gw.pool.age() == float("inf")  # never sampled
+        engine.scraper.last_success = clock.now
+        clock.now += 3.0
+        await gw.pool.remove(url)  # discovery: the old pod left
+        gw.pool.add("http://127.0.0.1:9")  # the new one, not sampled yet
+        assert gw.pool.age() == 3.0
+        readings = {name: value for name, _, value in gw._gauge_readings()}
+        assert readings["kvgate_upstream_metrics_age_seconds"] == 3.0
+    finally:
+        await gw.shutdown()
