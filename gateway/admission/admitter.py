@@ -33,7 +33,6 @@ from gateway.tokens.cost import RequestCost
 
 # Releases that are not a request finishing on the engine: they say nothing of the rate the line moves at.
 NOT_FINISHED = frozenset({"claim_refused", "claim_unanswered", "engine_unreachable", "upstream_busy"})
-NEVER_SENT = frozenset({"claim_refused", "claim_unanswered", "engine_unreachable"})  # the engine got none of it
 NO_ENGINE = "No engine of the pool is taking requests now (each is down, restarting or leaving, or none is left)."
 
 
@@ -325,7 +324,7 @@ class Admitter:
     def release(self, reservation: Reservation, outcome: str) -> bool:
         """Give the reservation's blocks back and admit whoever now fits; True the first time only."""
         finished = outcome not in NOT_FINISHED
-        if not self.controller.release(reservation, self.clock(), finished=finished, unsent=outcome in NEVER_SENT):
+        if not self.controller.release(reservation, self.clock(), finished=finished):
             return False
         self.metrics.released.labels(outcome).inc()
         if self.shared is not None:
@@ -461,7 +460,7 @@ class Admitter:
 
     def busy(self, engine: str) -> None:
         """``engine`` turned a request away, its queue full: hold admissions there until it has room."""
-        self.controller.hold_busy(engine)
+        self.controller.hold_busy(engine, self.clock())
 
     def unreachable(self, engine: str) -> bool:
         """A request placed on ``engine`` could not connect: eject it (in a pool). True if ejected."""

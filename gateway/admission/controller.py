@@ -426,7 +426,6 @@ class AdmissionController:
         by_affinity: bool = False,
     ) -> Reservation:
         res = book.ledger.reserve(cost, tenant, now, full, key)
-        book.admitted_one()
         res.engine = book.name
         res.prefix = prefix
         res.by_affinity = by_affinity
@@ -628,26 +627,22 @@ class AdmissionController:
             return 0.0
         return self.pace.answer_s_like(cost.max_output)
 
-    def release(self, res: Reservation, now: float, finished: bool = True, unsent: bool = False) -> bool:
+    def release(self, res: Reservation, now: float, finished: bool = True) -> bool:
         """Give ``res`` back (True the first time only). ``finished``: the request ended on the engine, which
-        is what the finish rate behind queue ETAs counts (not a claim refused or an engine unreachable);
-        ``unsent``: it never reached the engine."""
+        is what the finish rate behind queue ETAs counts (not a claim refused or an engine unreachable)."""
         book = self.engines.get(res.engine)
         if book is None or not book.ledger.release(res):
             return False
         if finished:
             self.drain.record(now)
-            book.finished_one()
-        elif unsent:
-            book.unsent_one()
         self._forget_if_done(book)
         return True
 
-    def hold_busy(self, engine: str) -> None:
+    def hold_busy(self, engine: str, now: float) -> None:
         """``engine`` turned a request away as busy: see :meth:`EngineBook.hold_busy`."""
         book = self.engines.get(engine)
         if book is not None:
-            book.hold_busy()
+            book.hold_busy(now)
 
     # --- telling clients when to come back ----------------------------------------------------------
 

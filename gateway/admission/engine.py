@@ -35,6 +35,7 @@ from gateway.tokens.cost import KvGeometry
 
 EJECT_BASE_S = 1.0
 EJECT_MAX_S = 60.0
+BUSY_HOLD_S = 30.0  # a busy hold lasts this long after the engine's latest refusal
 SCRAPE_FAILURES_TO_EJECT = 3  # in a row: one lost scrape is noise, three are an engine in trouble
 
 # Of the engine's pool: how far the ledger's peak bound may overstate (one block per decoding sequence) before
@@ -118,11 +119,11 @@ class EngineBook:
         self.rejoined_at: float | None = None
         self.ejections_in_a_row = 0
         self.scrape_failures = 0
-        # it turned a request away, its own queue full (vLLM's --max-num-queued-reqs): admissions here are held
-        # until it has room again (:meth:`hold_busy`), one per request of ours that ends there meanwhile
-        self.busy_hold = False
-        self._busy_waiting: float | None = None  # the engine's queue length when it did, as last sampled
-        self._busy_room = 0  # requests here that ended since: the places freed on it
+        # it turned a request away, its own queue full (vLLM's --max-num-queued-reqs caps its unfinished
+        # requests, waiting and running): how many it then held, and until when that cap stands (hold_busy)
+        self.busy_cap: int | None = None
+        self._busy_until = 0.0
+        self._others = 0  # unfinished requests in the engine that are not ours, at the latest sample
         # counters for the metrics, kept here so that they leave with the engine (label values stay bounded)
         self.restarts = 0
         self.placements = 0
@@ -155,11 +156,7 @@ class EngineBook:
             lost = self.ledger.drop_admitted_before(previous.taken_at)
         self.ledger.commit_sample()
         self.gate.observe(sample.usage)
-        if self.busy_hold:
-            if len(self.ledger) == 0 or (self._busy_waiting is not None and sample.waiting < self._busy_waiting):
-                self.busy_hold = False  # its queue got shorter, or nothing of ours is left here to end and say so
-            else:  # others' requests may have ended, which nothing of ours tells: one request tries, each sample
-                self._busy_room = max(self._busy_room, 1)
+        self._others = max(0, round(sample.running + sample.waiting) - len(self.ledger))
         preempted = previous is not None and not lost and sample.preemptions > previous.preemptions
         # Usage a block or two past the watermark is rounding; halfway to a full pool is an overshoot.
         overshoot = sample.usage > (1 + self.config.high_watermark) / 2
@@ -169,41 +166,33 @@ class EngineBook:
 
     def scrape_failed(self, now: float, pooled: bool, refused: bool = False) -> bool:
         """A scrape failed (``refused``: its connection was); in a pool (``pooled``), the third in a row ejects
-        the engine. True if it did. A busy hold lets one request try, as a sample would."""
+        the engine. True if it did."""
         self.scrape_failures += 1
-        if self.busy_hold:
-            self._busy_room = max(self._busy_room, 1)
         self.down = refused
         if pooled and self.scrape_failures >= SCRAPE_FAILURES_TO_EJECT and not self.ejected:
             self.eject(now, "scrape")
             return True
         return False
 
-    def hold_busy(self) -> None:
-        """The engine turned a request away as busy (its queue of requests is full): admit nothing more here
-        until it has room, or each admission would only be turned away in its turn (and the queue here emptied
-        into 503s). Each request here that ends frees one place, for one admission (:meth:`finished_one`), and
-        each sample (or failed scrape) lets one try, since others' requests end unseen; the hold ends when a
-        sample shows the engine's queue shorter than the last one had, or none of ours left here."""
-        self.busy_hold = True
-        self._busy_waiting = self.sample.waiting if self.sample is not None else None
-        self._busy_room = 0
+    def hold_busy(self, now: float) -> None:
+        """The engine turned a request away as busy: its unfinished requests (waiting and running, ours and
+        others') reached its cap (vLLM's --max-num-queued-reqs). That cap is taken as what it held then, the
+        refused one aside (ours in flight, and others' as the latest sample showed them), and for
+        ``BUSY_HOLD_S`` after the refusal nothing more is admitted here while that many are in it: each
+        admission would only be turned away in its turn, and the queue here emptied into 503s. A request of
+        ours that ends makes room at once; one of others', at the next sample. Admitting nothing forever on an
+        engine that refuses everything (cap 0), each request waits its budget and then hears it was busy."""
+        self.busy_cap = max(0, len(self.ledger) - 1 + self._others)  # the refused one is still in the ledger
+        self._busy_until = now + BUSY_HOLD_S
 
-    def finished_one(self) -> None:
-        """A request here ended: under a busy hold, one place is free on the engine."""
-        if self.busy_hold:
-            self._busy_room += 1
-
-    def unsent_one(self) -> None:
-        """A request admitted here was given back unsent (its claim refused, its connection refused): under a
-        busy hold, the place it took is free again."""
-        if self.busy_hold:
-            self._busy_room += 1
-
-    def admitted_one(self) -> None:
-        """A request was admitted here: under a busy hold, it takes one of the places freed."""
-        if self.busy_hold:
-            self._busy_room -= 1
+    def busy_full(self, now: float) -> bool:
+        """Held by :meth:`hold_busy`, and as full as when it refused."""
+        if self.busy_cap is None:
+            return False
+        if now >= self._busy_until:
+            self.busy_cap = None  # no refusal for a while: whatever it was, it may have room now
+            return False
+        return len(self.ledger) + self._others >= self.busy_cap
 
     # --- health -------------------------------------------------------------------------------------
 
@@ -285,7 +274,7 @@ class EngineBook:
 
     def fits(self, blocks: int, now: float) -> float | None:
         """The projected usage (0..1) with ``blocks`` more admitted, if that may be admitted now; else None."""
-        if self.busy_hold and self._busy_room <= 0:
+        if self.busy_full(now):
             return None
         projected = self.projected_blocks(blocks, now)
         if projected is None or self.geometry is None:

@@ -27,7 +27,7 @@ from gateway.tokens.cost import RequestCost
 from gateway.upstream.forwarder import EngineBusy, EngineUnreachable, Usage
 
 Stage = Literal["body", "waiting", "queued", "streaming"]
-MAX_BUSY_REFUSALS = 3  # times the engine may turn one request away as busy before its client hears so
+MAX_BUSY_REFUSALS = 5  # times the engine may turn one request away as busy before its client hears so
 Outcome = Literal["completed", "client_disconnect", "upstream_busy", "upstream_error", "engine_unreachable", "error"]
 
 

@@ -48,10 +48,11 @@ def engine() -> Iterator[VllmEngine]:
         yield eng
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def gateway(engine: VllmEngine) -> Iterator[Proc]:
     # Small requests: KV admission lets every one of them through, so the engine's own limit is what bites.
-    # Waits as long as the engine takes on this machine (no deadline tuned to its speed).
+    # Waits as long as the engine takes on this machine (no deadline tuned to its speed). One per test: a
+    # gateway that was turned away sends the engine no more than it then held, for a while.
     config = {"admission": {"queue_max_wait_s": WAIT_S}}
     with start_gateway(engine.base_url, config, tokenizer=f"hf:{model_dir()}") as gw:
         yield gw

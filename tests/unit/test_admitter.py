@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gateway.admission.admitter import Admitter
 from gateway.admission.controller import AdmissionController, Queued, Rejected, UsageSample
-from gateway.admission.engine import SampleMark
+from gateway.admission.engine import BUSY_HOLD_S, SampleMark
 from gateway.admission.queue import QueueClass
 from gateway.config import AdmissionConfig, RedisConfig
 from gateway.metrics import GatewayMetrics
@@ -331,39 +331,47 @@ async def test_an_engine_that_refused_the_connection_in_a_pool_of_one_got_nothin
 
 
 async def test_a_request_the_engine_turned_away_as_busy_waits_for_room_and_goes_again() -> None:
-    """vLLM's queue of requests is full (--max-num-queued-reqs): the request it turned away ran nothing, so it
-    waits for room and goes again, ahead of first attempts; and the requests queued here wait too, one let in per
-    request that ends there, instead of each being sent to be turned away in its turn (the queue emptied into
-    503s). Neither the refusal nor its charge counts: no finish for the ETAs, no request billed."""
+    """vLLM caps its unfinished requests (--max-num-queued-reqs): the request it turned away ran nothing, so it
+    waits for room and goes again, ahead of first attempts; and the requests queued here wait too, let in as
+    the engine's requests end (ours at once, others' at the next sample), instead of each being sent to be
+    turned away in its turn (the queue emptied into 503s). Neither the refusal nor its charge counts: no finish
+    for the ETAs, no request billed."""
     admitter, clock = make()
     controller = admitter.controller
+    (book,) = controller.engines.values()
     running = [exchange(admitter) for _ in range(2)]
     for ex in running:
         await ex.charge_rate_limits(tenant(admitter), rc(5))
         await ex.admit()
         ex.sending()
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.1, clock.now, running=2.0, waiting=1.0))  # ours, and one of another client's
     turned = exchange(admitter)
     await turned.charge_rate_limits(tenant(admitter), rc(5))
     await turned.admit()
     turned.sending()
-    admitter.scrape_started()
-    admitter.sample(UsageSample(0.1, clock.now, waiting=3.0))  # the engine says it has 3 queued
     again = asyncio.create_task(turned.wait_again_after_busy())
     await asyncio.sleep(0)
+    assert book.busy_cap == 3  # ours and the other client's: what it would not go past
     newcomers = [asyncio.create_task(hold(admitter, 5, asyncio.Event())) for _ in range(2)]
     await asyncio.sleep(0)
     assert not again.done() and len(controller.queue) == 3  # the pool has room: the engine has none
     assert not turned.reached_engine and admitter.metrics.released.labels("upstream_busy").value == 1
     assert controller.drain.per_second(clock.now) == 0  # a refusal is no finish
-    running[0].close(None)  # one ends there: one place, for the one turned away (a retry: first in line)
+    running[0].close(None)  # one of ours ends: one place, for the one turned away (a retry: first in line)
     assert await again is True and turned.admission is not None
     await asyncio.sleep(0)
     assert len(controller.queue) == 2  # the newcomers still wait
     clock.now = 1.0
     admitter.scrape_started()
-    admitter.sample(UsageSample(0.1, clock.now, waiting=1.0))  # the engine's queue is shorter: the hold ends
+    admitter.sample(UsageSample(0.1, clock.now, running=2.0))  # the other client's ended: one more place
     await asyncio.sleep(0)
-    assert len(controller.queue) == 0 and not any(t.done() for t in newcomers)
+    assert len(controller.queue) == 1
+    clock.now = 1.0 + BUSY_HOLD_S  # no refusal for a while: the hold lapses, and the last one goes
+    admitter.scrape_started()
+    admitter.sample(UsageSample(0.1, clock.now, running=3.0))
+    await asyncio.sleep(0)
+    assert len(controller.queue) == 0 and book.busy_cap is None
     for task in newcomers:
         task.cancel()
     await asyncio.gather(*newcomers, return_exceptions=True)
@@ -372,43 +380,30 @@ async def test_a_request_the_engine_turned_away_as_busy_waits_for_room_and_goes_
     assert len(controller.ledger) == 0
 
 
-async def test_a_busy_hold_lets_one_request_try_at_each_sample_and_gets_back_a_place_unsent() -> None:
-    """Others' requests end unseen (vLLM counts every client's in its queue): a hold lifted only by our own
-    finishes kept the queue here waiting while the engine had room. One request tries at each sample (or
-    failed scrape); and a place taken by a request given back unsent (its claim, or its connection, refused)
-    is free again."""
-    admitter, clock = make()
+async def test_an_engine_that_turns_everything_away_is_not_sent_a_request_each_scrape() -> None:
+    """Its cap is 0: the request waits for its budget (a lapse of the hold at most sends it once more), then
+    hears the engine was busy; never sent again at each sample."""
+    admitter, clock = make(queue_max_wait_s=5.0)
     controller = admitter.controller
-    (book,) = controller.engines.values()
-    running = exchange(admitter)  # ours, long: no finish will come for a while
-    await running.charge_rate_limits(tenant(admitter), rc(5))
-    await running.admit()
-    running.sending()
-    admitter.scrape_started()
-    admitter.sample(UsageSample(0.1, clock.now, waiting=2.0))
-    admitter.busy(book.name)  # another request was turned away
-    waiters = [asyncio.create_task(hold(admitter, 5, asyncio.Event())) for _ in range(3)]
-    await asyncio.sleep(0)
-    assert len(controller.queue) == 3
-    clock.now = 1.0
-    admitter.scrape_started()
-    admitter.sample(UsageSample(0.1, clock.now, waiting=2.0))  # the engine's queue no shorter: still held
-    await asyncio.sleep(0)
-    assert len(controller.queue) == 2 and book.busy_hold  # but one tried
-    admitter.scrape_failed()
-    await asyncio.sleep(0)
-    assert len(controller.queue) == 1
-    placed = controller.submit(rc(5), "t", clock.now)  # queues behind the last one: no place left
-    assert isinstance(placed, Queued)
-    controller.cancel(placed.ticket)
-    admitted = next(r for r in book.ledger.live() if r is not running.admission.reservation)  # type: ignore[union-attr]
-    admitter.release(admitted, "engine_unreachable")  # given back unsent: its place is free again
-    await asyncio.sleep(0)
-    assert len(controller.queue) == 0
-    for task in waiters:
-        task.cancel()
-    await asyncio.gather(*waiters, return_exceptions=True)
-    running.close(None)
+    turned = exchange(admitter)
+    await turned.charge_rate_limits(tenant(admitter), rc(5))
+    await turned.admit()
+    turned.sending()
+    again = asyncio.create_task(turned.wait_again_after_busy())
+    await asyncio.sleep(0)  # queued again at 0: its budget ends at 5
+    for t in range(1, 5):
+        clock.now = float(t)
+        admitter.scrape_started()
+        admitter.sample(UsageSample(0.0, clock.now))
+        await asyncio.sleep(0)
+        assert not again.done() and len(controller.queue) == 1
+    clock.now = 5.5
+    admitter._expire()
+    with pytest.raises(GatewayError) as err:
+        await again
+    assert err.value.code == "engine_busy" and err.value.retry_after_s is not None
+    assert admitter.metrics.released.labels("upstream_busy").value == 1
+    turned.close(err.value)
     assert len(controller.ledger) == 0
 
 
@@ -418,9 +413,9 @@ async def test_a_request_the_engine_turned_away_as_busy_is_not_billed_even_when_
     admitter, clock = make()
     counters = TenantCounters(RedisConfig(), GatewayMetrics(), clock=clock)
     limited = TenantPolicy("t", "t", RateLimits(requests_per_minute=1), None, 0.0, QueueClass())
+    (book,) = admitter.controller.engines.values()
     for _ in range(3):  # three in a row within the minute: each refused as busy, none billed
-        admitter.scrape_started()
-        admitter.sample(UsageSample(0.0, clock.now))  # nothing of ours left there: the busy hold is tried again
+        book.busy_cap = None  # (the last one's hold lapsed: it is sent)
         ex = Exchange(
             "req", ResponseWriter(_unused_send), admitter=admitter, counters=counters, metrics=admitter.metrics
         )
