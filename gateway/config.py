@@ -507,14 +507,14 @@ class GatewayConfig(_Model):
                 )
                 owner = owners.setdefault(digest, tenant.name)
                 if owner != tenant.name:
-                    raise ValueError(f"an API key of tenant '{tenant.name}' is also tenant '{owner}'s")
+                    raise ValueError(f"an API key of tenant '{tenant.name}' is also one of tenant '{owner}'")
         names.add(self.auth.default_tenant)
         for tenant in self.tenants:  # a per-model override's counters are keyed '<tenant>/<model>'
             for model in tenant.models:
                 if f"{tenant.name}/{model}" in names:
                     raise ValueError(
-                        f"tenant '{tenant.name}/{model}' would share the counters of tenant '{tenant.name}''s "
-                        f"override for model '{model}': rename one"
+                        f"tenant '{tenant.name}/{model}' would share the counters of the override for model "
+                        f"'{model}' of tenant '{tenant.name}': rename one"
                     )
         return self
 

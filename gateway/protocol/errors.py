@@ -114,8 +114,8 @@ def slot_timeout(tenant: str, limit: int, retry_after_s: float, waited_s: float,
     its quota, as a rate limit is (429), not the engine's capacity."""
     return GatewayError(
         429,
-        f"The request waited {waited_s:.1f}s for one of tenant '{tenant}''s {limit} concurrent request slot(s) "
-        "without getting one; retry after the indicated time.",
+        f"The request waited {waited_s:.1f}s for one of the {limit} concurrent request slot(s) of tenant "
+        f"'{tenant}' without getting one; retry after the indicated time.",
         type="rate_limit_exceeded",
         code="tenant_concurrency_timeout",
         retry_after_s=retry_after_s,

@@ -107,7 +107,7 @@ def test_config_errors_point_at_the_tenant() -> None:
     assert any(e.startswith("p.yaml:12:5: tenants.1.weight: Input should be greater than 0") for e in err.value.errors)
     with pytest.raises(ConfigError) as err:
         parse_config("tenants:\n  - name: a\n    api_keys: [k]\n  - name: b\n    api_keys: [k]\n", "p.yaml")
-    assert "tenant 'b' is also tenant 'a's" in err.value.errors[0]
+    assert "tenant 'b' is also one of tenant 'a'" in err.value.errors[0]
     # a key and its own sha256: form in one tenant: a rotation to hashed keys, half done
     digest = hashlib.sha256(b"k").hexdigest()
     assert parse_config(f"tenants:\n  - name: a\n    api_keys: [k, 'sha256:{digest}']\n").tenants[0].api_keys
