@@ -444,7 +444,7 @@ class GatewayConfig(_Model):
         True,
         description="One line per proxied request (logger kvgate.access, at info): method, path, status, the "
         "error code, tenant, model, engine, the ids kvgate and the engine know it by, queue wait, duration and "
-        "the engine's token counts. Off (or log_level above info) saves its formatting on every request.",
+        "the engine's token counts. Written in batches (at most 0.1 s late): no CPU cost measurable per request.",
     )
 
     @field_validator("log_level", mode="before")

@@ -23,6 +23,7 @@ from gateway.admission.controller import AdmissionController
 from gateway.admission.engine import EngineBook
 from gateway.admission.output_lengths import BEYOND
 from gateway.config import ConfigFile, GatewayConfig
+from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics, HistogramReading, Reading
 from gateway.paths import CONTROL_PATHS
 from gateway.protocol.errors import shutting_down
@@ -102,6 +103,7 @@ class Gateway:
         )
         self.draining = False
         self.arrivals = ArrivalPacer(config.listen.arrivals_per_tick)
+        self.access_log = AccessLog() if config.log_requests else None
         self.requests = RequestPath(
             policy=lambda: self.policy,
             costs=self.costs,
@@ -115,7 +117,7 @@ class Gateway:
             arrivals=self.arrivals,
             priority_scheduling=config.upstream.priority_scheduling,
             stream_interval=config.upstream.stream_interval,
-            log_requests=config.log_requests,
+            access=self.access_log,
         )
         self.metrics.gauges.source = self._gauge_readings
         self.metrics.gauges.histograms = self._histogram_readings
@@ -274,6 +276,8 @@ class Gateway:
         await self.counters.close()
         await self.pool.close()
         await self.session.close()
+        if self.access_log is not None:
+            self.access_log.flush()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

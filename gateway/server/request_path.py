@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from gateway.admission.admitter import NO_ENGINE, Admitter
 from gateway.admission.queue import engine_priority
 from gateway.config import RequestLimitsConfig
+from gateway.logs import AccessLog
 from gateway.metrics import GatewayMetrics
 from gateway.paths import BodyKind
 from gateway.protocol.bodies import parse_body
@@ -42,7 +43,6 @@ from gateway.upstream.forwarder import EngineBusy, EngineUnreachable, upstream_h
 from gateway.upstream.pool import EnginePool
 
 log = logging.getLogger("kvgate.request")
-access_log = logging.getLogger("kvgate.access")
 
 _PARSE_OFFLOAD_BYTES = 256 * 1024
 T = TypeVar("T")
@@ -64,7 +64,7 @@ class RequestPath:
         arrivals: ArrivalPacer,
         priority_scheduling: bool = False,
         stream_interval: int = 1,
-        log_requests: bool = True,
+        access: AccessLog | None = None,
     ) -> None:
         self.policy = policy  # the current snapshot: a reload swaps it between requests
         self.costs = costs
@@ -78,7 +78,7 @@ class RequestPath:
         self.arrivals = arrivals
         self.priority_scheduling = priority_scheduling  # the engines order and preempt by vLLM's priority
         self.stream_interval = stream_interval  # the engines' --stream-interval: tokens per streamed event
-        self.log_requests = log_requests  # an access line per request (at info)
+        self.access = access  # an access line per request (None: log_requests is off)
 
     async def handle(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         """One proxied request, from arrival to its last byte: route, authenticate, then the generation path
@@ -166,7 +166,8 @@ class RequestPath:
         else:
             answered = "429" if status == 429 else f"{status // 100}xx"
         self.metrics.requests.labels(answered).inc()
-        if not self.log_requests or not access_log.isEnabledFor(logging.INFO):
+        access = self.access
+        if access is None or not access.enabled:
             return
         admission, usage, tenant = exchange.admission, exchange.usage, exchange.tenant
         path = raw_path_of(scope)[:256]  # never the query: it can carry what a key or a client's secret is
@@ -188,9 +189,7 @@ class RequestPath:
             fields["engine_request_id"] = exchange.engine_request_id
         if usage is not None:
             fields["prompt_tokens"], fields["completion_tokens"] = usage.prompt_tokens, usage.completion_tokens
-        access_log.info(
-            "%s %s %d", scope["method"], path, status, extra={"request_id": exchange.request_id, "fields": fields}
-        )
+        access.write(exchange.request_id, f"{scope['method']} {path} {status}", fields)
 
     async def _ended_by_drain(self, writer: ResponseWriter, request_id: str) -> None:
         self.metrics.rejected.labels("shutting_down").inc()

@@ -349,8 +349,15 @@ def test_each_request_is_counted_once_and_logged_with_the_ids_it_went_by(
     assert metric_sum(m, "kvgate_requests_total") == 4
     assert m["kvgate_requests_total{code=2xx}"] == 2 and m["kvgate_requests_total{code=4xx}"] == 2
     assert m["kvgate_upstream_ttft_seconds_count"] == 1  # the stream's; an answer sent whole has no first token
+
+    def access_lines() -> list[dict[str, object]]:
+        return [orjson.loads(line) for line in procs[-1].log().splitlines() if '"logger":"kvgate.access"' in line]
+
+    deadline = time.monotonic() + 30
+    while len(access_lines()) < 4 and time.monotonic() < deadline:  # written in batches, a moment later
+        time.sleep(0.05)
     log = procs[-1].log()
-    lines = [orjson.loads(line) for line in log.splitlines() if '"logger":"kvgate.access"' in line]
+    lines = access_lines()
     assert len(lines) == 4, log
     by_id = {line["request_id"]: line for line in lines}
     first = by_id["trace-1"]
@@ -366,10 +373,17 @@ def test_each_request_is_counted_once_and_logged_with_the_ids_it_went_by(
 def test_log_requests_false_writes_no_access_line(
     mini_vllm: Callable[..., str], gateway: Callable[..., str], procs: list
 ) -> None:
-    gw = gateway(mini_vllm(), {"tokenizer": "heuristic", "log_requests": False})
-    assert httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
-    assert scrape(gw)["kvgate_requests_total{code=2xx}"] == 1
-    assert '"logger":"kvgate.access"' not in procs[-1].log()
+    upstream = mini_vllm()
+    quiet = gateway(upstream, {"tokenizer": "heuristic", "log_requests": False})
+    logged = gateway(upstream, {"tokenizer": "heuristic"})
+    for gw in (quiet, logged):
+        assert httpx.post(gw + "/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+        assert scrape(gw)["kvgate_requests_total{code=2xx}"] == 1
+    deadline = time.monotonic() + 30  # the other gateway's line is written within its batch's wait
+    while '"logger":"kvgate.access"' not in procs[-1].log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert '"logger":"kvgate.access"' in procs[-1].log()
+    assert '"logger":"kvgate.access"' not in procs[-2].log()
 
 
 def test_an_engine_not_sampled_yet_has_no_metrics_age(gateway: Callable[..., str]) -> None:
