@@ -156,7 +156,10 @@ class EngineBook:
             lost = self.ledger.drop_admitted_before(previous.taken_at)
         self.ledger.commit_sample()
         self.gate.observe(sample.usage)
-        self._others = max(0, round(sample.running + sample.waiting) - len(self.ledger))
+        unfinished = round(sample.running + sample.waiting)
+        self._others = max(0, unfinished - len(self.ledger))
+        if self.busy_cap is not None:  # it held that many at once: its cap is no lower (a cap set from a sample
+            self.busy_cap = max(self.busy_cap, unfinished)  # that missed others' burst would never lift)
         preempted = previous is not None and not lost and sample.preemptions > previous.preemptions
         # Usage a block or two past the watermark is rounding; halfway to a full pool is an overshoot.
         overshoot = sample.usage > (1 + self.config.high_watermark) / 2
@@ -180,8 +183,9 @@ class EngineBook:
         refused one aside (ours in flight, and others' as the latest sample showed them), and for
         ``BUSY_HOLD_S`` after the refusal nothing more is admitted here while that many are in it: each
         admission would only be turned away in its turn, and the queue here emptied into 503s. A request of
-        ours that ends makes room at once; one of others', at the next sample. Admitting nothing forever on an
-        engine that refuses everything (cap 0), each request waits its budget and then hears it was busy."""
+        ours that ends makes room at once; one of others', at the next sample, and the cap is never below what a
+        sample showed it holding. On an engine that refuses everything (cap 0) nothing is sent for
+        ``BUSY_HOLD_S`` at a time: each request waits its budget and then hears it was busy."""
         self.busy_cap = max(0, len(self.ledger) - 1 + self._others)  # the refused one is still in the ledger
         self._busy_until = now + BUSY_HOLD_S
 
