@@ -1,5 +1,4 @@
-"""Structured logs: one JSON object per line, carrying the request id when there is one (and, on a request's
-access line, its facts as fields: ``extra={"fields": {...}}``)."""
+"""Structured logs: one JSON object per line, carrying the request id when there is one; and the access log."""
 
 from __future__ import annotations
 
@@ -23,9 +22,6 @@ class JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", None)
         if request_id is not None:
             entry["request_id"] = request_id
-        fields = getattr(record, "fields", None)  # a request's access line: its facts as fields of their own
-        if isinstance(fields, dict):
-            entry.update((key, value) for key, value in fields.items() if key not in entry)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(entry).decode()

@@ -20,11 +20,18 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 
 MIN_TOKENS = 16  # shorter answers are mostly prefill: their seconds per token say little about decoding
 MIN_SAMPLES = 8  # answers needed before the pace is trusted
 WINDOW = 64  # the latest answers: the pace follows the engine's load as it changes
 PACE_QUANTILE = 0.25  # of the latest answers' seconds per token: see the module docstring
+
+
+def lower_quartile(values: Iterable[float]) -> float:
+    """The :data:`PACE_QUANTILE` of ``values`` (not empty), by rank."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(PACE_QUANTILE * len(ordered)) - 1)]
 
 
 class ServicePace:
@@ -52,18 +59,17 @@ class ServicePace:
         as long (a short answer's prefill weighs on its seconds per token: a pace learned from them says a long
         one takes several times what it does); 0 while too few such answers are known. What refusing an answer
         outright rests on, not the pace of all answers."""
-        alike = sorted(p for p, n in zip(self._per_token, self._tokens, strict=True) if 4 * n >= output_tokens)
+        alike = [p for p, n in zip(self._per_token, self._tokens, strict=True) if 4 * n >= output_tokens]
         if len(alike) < self.min_samples:
             return 0.0
-        return alike[max(0, math.ceil(PACE_QUANTILE * len(alike)) - 1)] * output_tokens
+        return lower_quartile(alike) * output_tokens
 
     def seconds_per_token(self) -> float | None:
         """The pace (:data:`PACE_QUANTILE` of the latest answers), or None while too few answers are known."""
         if len(self._per_token) < self.min_samples:
             return None
         if self._pace is None:
-            ordered = sorted(self._per_token)
-            self._pace = ordered[max(0, math.ceil(PACE_QUANTILE * len(ordered)) - 1)]
+            self._pace = lower_quartile(self._per_token)
         return self._pace
 
     def answer_s(self, output_tokens: int) -> float:
@@ -93,6 +99,5 @@ class FirstEventWait:
         if len(self._seconds) < self.min_samples:
             return 0.0
         if self._value is None:
-            ordered = sorted(self._seconds)
-            self._value = ordered[max(0, math.ceil(PACE_QUANTILE * len(ordered)) - 1)]
+            self._value = lower_quartile(self._seconds)
         return self._value

@@ -125,7 +125,8 @@ def slot_timeout(tenant: str, limit: int, retry_after_s: float, waited_s: float,
 
 def answer_outlasts_timeout(tokens: int, answer_s: float, timeout_s: float) -> GatewayError:
     """An answer sent in one piece whose length is certain (``ignore_eos``, or ``min_tokens`` at its budget)
-    and whose time, even at the fastest pace lately seen, is past the client's read timeout: it would time out
+    and whose time, at the pace of the latest answers at least a quarter as long (their fastest quarter), is past
+    the client's read timeout: it would time out
     however soon it were admitted, and the SDK would have it generated again on each retry. A 400, which no SDK
     retries."""
     return GatewayError(

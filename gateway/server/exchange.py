@@ -148,11 +148,17 @@ class Exchange:
         self.reached_engine = False  # refused: it holds the engine nothing, and its charge is given back
         if not self._admitter.unreachable(self.engine):
             return False
-        self._admitter.release(self.admission.reservation, "engine_unreachable")
-        self.admission = None
-        # all of it counts, every pass through the queue and each connection attempt (up to connect_timeout_s)
-        await self._admit(asyncio.get_running_loop().time() - self._waiting_since, retry=True)
+        await self._admit(self._give_back("engine_unreachable"), retry=True)
         return True
+
+    def _give_back(self, outcome: str) -> float:
+        """Its reservation back, unsent (``outcome``), before it is placed again; the seconds it has waited so
+        far: all of it counts, every pass through the queue and each attempt (a connection's up to
+        connect_timeout_s)."""
+        assert self.admission is not None
+        self._admitter.release(self.admission.reservation, outcome)
+        self.admission = None
+        return asyncio.get_running_loop().time() - self._waiting_since
 
     async def wait_again_after_busy(self) -> bool:
         """The engine turned the request away, its own queue full, before running any of it: nothing was
@@ -166,9 +172,7 @@ class Exchange:
         self.reached_engine = False
         self.busy_refusals += 1
         self._admitter.busy(self.engine)
-        self._admitter.release(self.admission.reservation, "upstream_busy")
-        self.admission = None
-        waited = asyncio.get_running_loop().time() - self._waiting_since
+        waited = self._give_back("upstream_busy")
         if waited >= self.wait_budget_s or self.busy_refusals >= MAX_BUSY_REFUSALS:
             return False
         try:

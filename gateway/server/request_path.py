@@ -96,12 +96,12 @@ class RequestPath:
             counters=self.counters,
             metrics=self.metrics,
         )
+        raw_path = raw_path_of(scope)
         try:
             async with exchange:
                 if self.draining():
                     raise shutting_down(1.0)
                 policy = self.policy()
-                raw_path = raw_path_of(scope)
                 authorization = _header(scope["headers"], b"authorization")
                 try:
                     where = route(scope["method"], raw_path, policy.allowed)
@@ -153,9 +153,9 @@ class RequestPath:
                     await self._ended_by_drain(writer, request_id)
         finally:
             watch.stop()
-            self._ended(exchange, scope, reason, started)
+            self._ended(exchange, scope["method"], raw_path, reason, started)
 
-    def _ended(self, exchange: Exchange, scope: dict[str, Any], reason: str | None, started: float) -> None:
+    def _ended(self, exchange: Exchange, method: str, raw_path: str, reason: str | None, started: float) -> None:
         """Counted once, by what the client got, and its access line (``log_requests``)."""
         writer = exchange.writer
         status = writer.status if writer.started else 0
@@ -170,9 +170,9 @@ class RequestPath:
         if access is None or not access.enabled:
             return
         admission, usage, tenant = exchange.admission, exchange.usage, exchange.tenant
-        path = raw_path_of(scope)[:256]  # never the query: it can carry what a key or a client's secret is
+        path = raw_path[:256]  # never the query: it can carry what a key or a client's secret is
         fields: dict[str, object] = {
-            "method": scope["method"],
+            "method": method,
             "path": path,
             "status": status,
             "reason": reason or (exchange.outcome if exchange.outcome not in (None, "completed") else None),
@@ -189,7 +189,7 @@ class RequestPath:
             fields["engine_request_id"] = exchange.engine_request_id
         if usage is not None:
             fields["prompt_tokens"], fields["completion_tokens"] = usage.prompt_tokens, usage.completion_tokens
-        access.write(exchange.request_id, f"{scope['method']} {path} {status}", fields)
+        access.write(exchange.request_id, f"{method} {path} {status}", fields)
 
     async def _ended_by_drain(self, writer: ResponseWriter, request_id: str) -> None:
         self.metrics.rejected.labels("shutting_down").inc()

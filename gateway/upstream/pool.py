@@ -94,7 +94,6 @@ class EnginePool:
         self._discovery: asyncio.Task[None] | None = None
         self._turn = itertools.count()
         self._model = ModelInfo()  # worked out when an engine comes, goes or says what it serves (_model_changed)
-        self.left_after_a_sample = False  # an engine that had been sampled has left (the pool was seen working)
         self._gone_age: Callable[[], float] | None = None  # the age of the latest sample of an engine that left
 
     # --- membership ---------------------------------------------------------------------------------
@@ -145,7 +144,6 @@ class EnginePool:
         age = engine.scraper.age()
         if age < float("inf") and (self._gone_age is None or age < self._gone_age()):
             self._gone_age = engine.scraper.age  # the pool's metrics are then as old as this one's last sample
-        self.left_after_a_sample |= engine.scraper.age() < float("inf")
         self._model_changed()
         self.admitter.controller.remove_engine(url)
         self.admitter.pump()
@@ -221,6 +219,11 @@ class EnginePool:
             self._model = first
         else:
             self._model = ModelInfo(first.id, shortest, first.root, first.names)
+
+    @property
+    def left_after_a_sample(self) -> bool:
+        """An engine that had been sampled has left (the pool was seen working)."""
+        return self._gone_age is not None
 
     def age(self) -> float:
         """Age of the freshest sample of any engine, those that left the pool included (infinite until one was

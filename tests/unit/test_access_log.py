@@ -8,7 +8,6 @@ import io
 import logging
 
 import orjson
-import pytest
 
 from gateway.logs import ACCESS_LOGGER, AccessLog
 
@@ -40,7 +39,7 @@ async def test_lines_are_written_together_a_moment_later_or_once_enough_are_wait
     assert out.getvalue().splitlines()[-1].startswith(b'{"ts"') and b'"last"' in out.getvalue()
 
 
-def test_it_follows_the_log_level(caplog: pytest.LogCaptureFixture) -> None:
+def test_it_is_enabled_as_the_kvgate_access_logger_is_for_info() -> None:
     access = AccessLog(io.BytesIO())
     logger = logging.getLogger(ACCESS_LOGGER)
     level = logger.level

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.admission.admitter import Admitter
-from gateway.admission.controller import AdmissionController, Queued, Rejected, UsageSample
+from gateway.admission.controller import AdmissionController, Admitted, Queued, Rejected, UsageSample
 from gateway.admission.engine import BUSY_HOLD_S, SampleMark
 from gateway.admission.queue import QueueClass
 from gateway.config import AdmissionConfig, RedisConfig
@@ -444,7 +444,7 @@ async def test_a_stream_under_a_read_timeout_keeps_its_first_events_wait_out_of_
 
 
 async def test_a_whole_answer_certain_to_outlast_the_clients_read_timeout_is_refused_before_anything_runs() -> None:
-    """Run to its budget (ignore_eos) at the fastest pace lately seen, it would take longer than the SDK's
+    """Run to its budget (ignore_eos) at the pace of recent answers about as long, it would take longer than the SDK's
     read timeout however soon it were admitted: the engine would generate it for nothing, once per retry. A
     400 (which no SDK retries) that says what to do; an answer of uncertain length, or one that fits, goes on."""
     admitter, _ = make()
@@ -909,3 +909,22 @@ async def test_a_first_token_that_lowers_the_peak_lets_the_head_in() -> None:
     assert head.done() and not head.cancelled() and head.exception() is None
     for res in (ending, starting, head.result().reservation):
         admitter.release(res, "completed")
+
+
+def test_a_busy_cap_set_from_a_sample_that_missed_a_burst_rises_with_what_the_engine_is_seen_to_hold() -> None:
+    """The sample before the refusal missed another client's burst: the cap read 0, and a later sample of the
+    engine emptied could not lift it for the whole hold. The engine held what a sample shows at once: its cap is
+    no lower."""
+    admitter, clock = make()
+    controller = admitter.controller
+    (book,) = controller.engines.values()
+    placed = controller.submit(rc(5), "t", clock.now)
+    assert isinstance(placed, Admitted)
+    book.hold_busy(clock.now)  # the request was turned away: what the engine held, as far as we know, is 0
+    controller.release(placed.reservation, clock.now, finished=False)
+    assert book.busy_cap == 0 and book.busy_full(clock.now)
+    for t, unfinished, full in ((0.25, 6.0, True), (0.5, 6.0, True), (2.0, 0.0, False)):
+        clock.now = t
+        admitter.scrape_started()
+        admitter.sample(UsageSample(0.1, t, running=unfinished))
+        assert book.busy_cap == 6 and book.busy_full(t) is full

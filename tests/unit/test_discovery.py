@@ -3,6 +3,7 @@ refusal logged once per status instead of dropped silently (or logged every scra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import socket
@@ -52,12 +53,21 @@ async def engine() -> AsyncIterator[tuple[GuardedModels, str]]:
     guarded = GuardedModels()
     app = web.Application()
     app.router.add_get("/v1/models", guarded.models)
+    async with served(app) as url:
+        yield guarded, url
+
+
+@contextlib.asynccontextmanager
+async def served(app: web.Application) -> AsyncIterator[str]:
+    """``app`` on a free local port, its URL; stopped afterwards."""
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield guarded, f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 @pytest.fixture
@@ -151,12 +161,8 @@ async def test_an_engine_that_restarts_is_asked_again_what_it_serves(scraper: Ca
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        s = scraper(f"http://127.0.0.1:{port}")
+    async with served(app) as url:
+        s = scraper(url)
         assert await s.scrape_once() and s.model.max_model_len == 2048
         state["max_model_len"] = 300_000
         assert await s.scrape_once() and s.model.max_model_len == 2048  # the same process: not asked again
@@ -168,8 +174,6 @@ async def test_an_engine_that_restarts_is_asked_again_what_it_serves(scraper: Ca
         assert not await s.scrape_once()
         state["up"] = True  # back after failing (its start time may not say so: a sample it never showed)
         assert await s.scrape_once() and s.model.max_model_len == 4096
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_scrape_says_whether_the_engine_refused_the_connection(
@@ -265,12 +269,8 @@ async def test_a_subscriber_that_raises_does_not_end_the_scrapes(
 
     app = web.Application()
     app.router.add_get("/metrics", serve_metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        s = scraper(f"http://127.0.0.1:{port}")
+    async with served(app) as url:
+        s = scraper(url)
         faulty, counting = Faulty(), Faulty()
         s.subscribers += [faulty, counting]
         with caplog.at_level(logging.ERROR, logger="kvgate"):
@@ -279,5 +279,3 @@ async def test_a_subscriber_that_raises_does_not_end_the_scrapes(
             assert await s.scrape_once() is True
         assert counting.told == ["started", "failed", "started", "sample"]
         assert sum("a subscriber's" in r.getMessage() for r in caplog.records) == 8
-    finally:
-        await runner.cleanup()
